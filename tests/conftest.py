@@ -1,0 +1,7 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# The example's GPT model is the project's reference model for tests and benchmarks.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))

@@ -1,0 +1,145 @@
+"""FlatLayout: pure metadata, no processes, no storage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from gpt import GPT, GPTConfig
+from torch import nn
+
+from torchshard import FlatLayout, LayoutError
+
+
+def meta_gpt(**overrides) -> GPT:
+    with torch.device("meta"):
+        return GPT(GPTConfig(**{**GPTConfig.preset("tiny").__dict__, **overrides}))
+
+
+def test_slots_follow_named_parameters_order_and_are_aligned():
+    model = meta_gpt()
+    layout = FlatLayout.from_module(model)
+    assert [s.name for s in layout] == [n for n, _ in model.named_parameters()]
+    for s, (_, p) in zip(layout, model.named_parameters()):
+        assert s.shape == tuple(p.shape) and s.numel == p.numel()
+        assert s.offset * 4 % 16 == 0
+    ends = [s.end for s in layout]
+    assert all(e <= s.offset for e, s in zip(ends, layout.slots[1:]))
+    assert layout.numel % 4 == 0 and layout.numel >= ends[-1]
+    assert layout.param_numel == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("dtype", "align_bytes", "align_elems"),
+    [(torch.float32, 64, 16), (torch.bfloat16, 16, 8), (torch.float64, 16, 2)],
+)
+def test_alignment_in_bytes(dtype, align_bytes, align_elems):
+    layout = FlatLayout.from_module(meta_gpt(), dtype=dtype, align_bytes=align_bytes)
+    assert layout.dtype == str(dtype).removeprefix("torch.")
+    assert all(s.offset % align_elems == 0 for s in layout)
+    assert layout.numel % align_elems == 0
+
+
+def test_tied_parameter_has_one_slot_and_an_alias():
+    layout = FlatLayout.from_module(meta_gpt())
+    slot = layout["wte.weight"]
+    assert slot.aliases == ("lm_head.weight",)
+    assert layout["lm_head.weight"] is slot
+    assert "lm_head.weight" not in [s.name for s in layout]
+
+
+def test_json_round_trip_and_equality():
+    layout = FlatLayout.from_module(meta_gpt())
+    text = layout.to_json()
+    again = FlatLayout.from_json(text)
+    assert again == layout and again.fingerprint() == layout.fingerprint()
+    assert json.loads(text)["numel"] == layout.numel
+    assert FlatLayout.from_module(meta_gpt(n_layer=3)) != layout
+
+
+def test_fingerprint_is_pinned():
+    # Pins the layout format: a change here invalidates every stored fingerprint.
+    with torch.device("meta"):
+        layout = FlatLayout.from_module(nn.Linear(4, 3))
+    assert layout.to_json() == (
+        '{"format":1,"dtype":"float32","align_bytes":16,"numel":16,"slots":[\n'
+        '  ["weight",[3,4],0,12,true,[]],\n'
+        '  ["bias",[3],12,3,true,[]]\n]}'
+    )
+    assert layout.fingerprint() == "4160070f1c86b7c30710e924e6b9a41f"
+
+
+def test_fingerprint_sees_every_field():
+    base = FlatLayout.from_module(meta_gpt())
+    model = meta_gpt()
+    model.ln_f.bias.requires_grad_(False)
+    assert FlatLayout.from_module(model).fingerprint() != base.fingerprint()
+    assert FlatLayout.from_module(meta_gpt(), align_bytes=32).fingerprint() != base.fingerprint()
+
+
+def test_first_difference_names_the_parameter():
+    a = FlatLayout.from_module(meta_gpt())
+    b = FlatLayout.from_module(meta_gpt(n_embd=32))
+    assert a.first_difference(a) is None
+    assert "'wte.weight'" in a.first_difference(b)
+    c = FlatLayout.from_module(meta_gpt(n_layer=3))
+    assert "blocks.2" in a.first_difference(c)
+
+
+def test_frozen_flag_is_recorded():
+    model = meta_gpt()
+    model.wpe.weight.requires_grad_(False)
+    layout = FlatLayout.from_module(model)
+    assert not layout["wpe.weight"].requires_grad and layout["wte.weight"].requires_grad
+
+
+def test_mixed_dtypes_name_the_parameters():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).half())
+    with pytest.raises(LayoutError, match=r"float16: 1\.weight, 1\.bias.*float32: 0\.weight") as e:
+        FlatLayout.from_module(model)
+    assert "dtype=" in str(e.value)
+    assert FlatLayout.from_module(model, dtype=torch.float32).dtype == "float32"
+
+
+def test_module_without_parameters():
+    with pytest.raises(LayoutError, match="ReLU has no parameters"):
+        FlatLayout.from_module(nn.ReLU())
+
+
+@pytest.mark.parametrize("align_bytes", [0, -16, 6])
+def test_bad_alignment(align_bytes):
+    with pytest.raises(LayoutError, match="align_bytes"):
+        FlatLayout.from_module(nn.Linear(2, 2), align_bytes=align_bytes)
+
+
+def test_integer_dtype_is_refused():
+    with pytest.raises(LayoutError, match="floating point"):
+        FlatLayout.from_module(nn.Linear(2, 2), dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda d: d.update(format=99), "format: expected 1, got 99"),
+        (lambda d: d.update(dtype="nonsense"), "dtype"),
+        (lambda d: d.pop("slots"), "malformed"),
+        (lambda d: d["slots"][1].__setitem__(2, 4), "bad offset"),  # overlaps weight
+        (lambda d: d["slots"][1].__setitem__(2, 13), "bad offset"),  # misaligned
+        (lambda d: d["slots"][1].__setitem__(0, "weight"), "appears twice"),
+        (lambda d: d.update(numel=8), "numel"),
+    ],
+)
+def test_from_json_rejects_bad_descriptions(mutate, match):
+    data = FlatLayout.from_module(nn.Linear(4, 3)).to_dict()
+    mutate(data)
+    with pytest.raises(LayoutError, match=match):
+        FlatLayout.from_json(json.dumps(data))
+
+
+def test_from_json_rejects_non_json():
+    with pytest.raises(LayoutError, match="not valid JSON"):
+        FlatLayout.from_json("{")
+    with pytest.raises(LayoutError, match="JSON object"):
+        FlatLayout.from_json("[]")

@@ -1,0 +1,17 @@
+"""The exceptions torchshard raises. Every one is a :class:`TorchShardError`."""
+
+from __future__ import annotations
+
+__all__ = ["BindError", "LayoutError", "TorchShardError"]
+
+
+class TorchShardError(Exception):
+    """Base class of every error torchshard raises on bad input or bad state."""
+
+
+class LayoutError(TorchShardError, ValueError):
+    """A module cannot be laid out in one flat buffer (mixed dtypes, no parameters, ...)."""
+
+
+class BindError(TorchShardError, ValueError):
+    """A buffer handed to :meth:`FlatParamModule.bind` does not fit the layout."""

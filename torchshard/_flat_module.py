@@ -1,0 +1,348 @@
+"""FlatParamModule: every parameter of a module is a view into one flat buffer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._errors import BindError, TorchShardError
+from ._layout import FlatLayout, ParamSlot
+
+__all__ = ["FlatParamModule"]
+
+
+class FlatParamModule(nn.Module):
+    """Wrap ``module`` so that its parameters become views into one flat buffer.
+
+    Construction only computes the :class:`FlatLayout` (it works on modules
+    built under ``torch.device("meta")`` and allocates nothing);
+    :meth:`bind` supplies the buffer. Gradients land in one flat gradient
+    buffer, also across ``optimizer.zero_grad()``.
+
+    Args:
+        module: the model; its parameters may live on meta, CPU or CUDA.
+        dtype: cast every parameter to this dtype (default: their common dtype).
+        align_bytes: every parameter's offset is a multiple of this many bytes.
+
+    Example::
+
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        fm = FlatParamModule(model)
+        fm.bind(torch.empty(fm.numel))      # parameters are now views of this buffer
+        fm.init_weights()                   # each submodule's reset_parameters()
+        fm(torch.randn(4, 8)).sum().backward()
+        fm.flat_grad                        # every gradient, in one tensor
+    """
+
+    def __init__(
+        self, module: nn.Module, *, dtype: torch.dtype | None = None, align_bytes: int = 16
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TorchShardError(f"module: expected an nn.Module, got {type(module).__name__}")
+        super().__init__()
+        self.module = module
+        self.layout: FlatLayout = FlatLayout.from_module(
+            module, dtype=dtype, align_bytes=align_bytes
+        )
+        self._flat: torch.Tensor | None = None
+        self._grad: torch.Tensor | None = None
+
+    # -- properties -------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        """Elements a flat buffer needs (parameters plus alignment padding)."""
+        return self.layout.numel
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layout.torch_dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The flat buffer's device, or before :meth:`bind` that of the module's parameters."""
+        if self._flat is not None:
+            return self._flat.device
+        return next(self.module.parameters()).device
+
+    @property
+    def flat_param(self) -> torch.Tensor | None:
+        """The bound parameter buffer (``None`` before :meth:`bind`)."""
+        return self._flat
+
+    @property
+    def flat_grad(self) -> torch.Tensor | None:
+        """The flat gradient buffer, ``numel`` elements (``None`` before :meth:`bind`).
+
+        A region whose parameter shows ``.grad is None`` holds stale values.
+        """
+        return self._grad
+
+    @property
+    def is_bound(self) -> bool:
+        return self._flat is not None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    # -- binding ------------------------------------------------------------------
+    def bind(self, flat: torch.Tensor, grad: torch.Tensor | None = None) -> FlatParamModule:
+        """Make every parameter a view into ``flat`` and every gradient a view into ``grad``.
+
+        Real weights are copied in one parameter at a time and the old
+        parameter is dropped right away, so its memory is released as the
+        copy proceeds (if nothing else holds it, e.g. an optimizer). Binding
+        again to another buffer moves the model there; gradients come along.
+        Module buffers move to ``flat``'s device (meta ones become zeros).
+
+        Args:
+            flat: 1-D contiguous tensor of ``self.dtype`` with at least ``self.numel`` elements.
+            grad: optional gradient buffer like ``flat`` that does not overlap it;
+                allocated (``numel`` elements) when omitted and any parameter trains; its
+                padding and frozen parameters' regions are zeros.
+
+        Example::
+
+            fm.bind(torch.empty(fm.numel, dtype=fm.dtype, device="cuda"))
+        """
+        self._check_buffer("flat", flat)
+        trains = any(s.requires_grad for s in self.layout)
+        if grad is not None:
+            self._check_buffer("grad", grad)
+            if grad.device != flat.device:
+                raise BindError(
+                    f"grad: expected a buffer on {flat.device} like flat, got one on {grad.device}"
+                )
+            if _overlaps(flat, grad):
+                raise BindError("grad: the gradient buffer overlaps the parameter buffer")
+        elif trains:
+            # Left unfaulted: a parameter's region is written when its first
+            # gradient arrives, so host memory grows only as gradients are touched.
+            grad = torch.empty(self.numel, dtype=self.dtype, device=flat.device)
+            _zero_gaps(grad, self.layout)
+
+        owners = _Owners(self.module)
+        with torch.no_grad():
+            for slot in self.layout:
+                old = owners.get(slot.name)
+                view = flat[slot.offset : slot.end].view(slot.shape)
+                if old.device.type != "meta":
+                    view.copy_(old)
+                new = nn.Parameter(view, requires_grad=slot.requires_grad)
+                new.__dict__.update(old.__dict__)  # user attributes set on the parameter
+                if slot.requires_grad:
+                    assert grad is not None
+                    gview = grad[slot.offset : slot.end].view(slot.shape)
+                    if old.grad is not None:
+                        gview.copy_(old.grad)
+                        new.grad = gview
+                    _install_grad_hooks(new, gview)
+                for name in slot.names:
+                    owners.set(name, new)
+                del old, new  # release the old storage now, not at the end of the loop
+            for m in self.module.modules():
+                for key, buf in m._buffers.items():
+                    if buf is None or buf.device == flat.device:
+                        continue
+                    if buf.device.type == "meta":
+                        m._buffers[key] = torch.zeros_like(buf, device=flat.device)
+                    else:
+                        m._buffers[key] = buf.to(flat.device)
+        self._flat, self._grad = flat, grad if trains else None
+        return self
+
+    def _check_buffer(self, what: str, t: torch.Tensor) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise BindError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 1 or not t.is_contiguous():
+            raise BindError(
+                f"{what}: expected a contiguous 1-D tensor, got shape {tuple(t.shape)}; "
+                f"allocate it as torch.empty({self.numel}, dtype={self.dtype})"
+            )
+        if t.dtype != self.dtype:
+            raise BindError(
+                f"{what}: expected dtype {self.dtype}, got {t.dtype}; "
+                "allocate it with dtype=fm.dtype or wrap with FlatParamModule(..., dtype=...)"
+            )
+        if t.numel() < self.numel:
+            raise BindError(
+                f"{what}: expected at least {self.numel} elements (fm.numel), got {t.numel()}"
+            )
+        if t.device.type == "meta":
+            raise BindError(f"{what}: expected a buffer with storage, got one on the meta device")
+
+    # -- initialization -----------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, fn: Callable[[nn.Module], None] | None = None) -> FlatParamModule:
+        """Initialize the bound weights in place.
+
+        By default calls ``reset_parameters()`` of every submodule that has
+        one (this also resets e.g. BatchNorm running statistics); with ``fn``,
+        applies it to every submodule like ``nn.Module.apply`` (the convention
+        of transformers' ``_init_weights``). ``fn`` must write in place;
+        replacing a parameter raises :class:`TorchShardError`.
+
+        Example::
+
+            fm.init_weights(lambda m: isinstance(m, nn.Linear) and nn.init.zeros_(m.bias))
+        """
+        self._require_bound("init_weights()")
+        if fn is not None:
+            self.module.apply(fn)
+        else:
+            for m in self.module.modules():
+                reset = getattr(m, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+        self.check_views()
+        return self
+
+    def check_views(self) -> None:
+        """Raise :class:`TorchShardError` naming a parameter that is no longer a view of the buffer."""
+        self._require_bound("check_views()")
+        assert self._flat is not None
+        owners = _Owners(self.module)
+        base = self._flat.data_ptr()
+        for slot in self.layout:
+            expected = base + slot.offset * self._flat.element_size()
+            for name in slot.names:
+                p = owners.get(name)
+                if (
+                    not isinstance(p, nn.Parameter)
+                    or p.data_ptr() != expected
+                    or p.shape != slot.shape
+                ):
+                    raise TorchShardError(
+                        f"parameter {name!r} is no longer a view of the flat buffer "
+                        "(was it replaced, e.g. by assigning a new nn.Parameter?); "
+                        "write into parameters in place instead"
+                    )
+
+    def _require_bound(self, what: str) -> None:
+        if self._flat is None:
+            raise TorchShardError(
+                f"{what}: the module is not bound to a buffer yet; call "
+                f"fm.bind(torch.empty(fm.numel, dtype={self.dtype})) first"
+            )
+
+    # -- state dict: the wrapped module's own keys ------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped module's state dict (its own keys, no ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Copy a plain model's state dict into the views (never rebinds)."""
+        if assign:
+            raise TorchShardError(
+                "load_state_dict(assign=True) would replace the views into the flat buffer; "
+                "use the default assign=False"
+            )
+        if any(p.device.type == "meta" for p in self.module.parameters()):
+            self._require_bound("load_state_dict()")
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    # -- .to(), .cuda(), .half(), .to_empty(), ...: keep the invariant -------------------
+    def _apply(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+    ) -> FlatParamModule:  # type: ignore[override]
+        # Every conversion goes through _apply. Apply it to the whole buffer and
+        # rebind, instead of letting nn.Module replace each parameter.
+        probe = fn(torch.empty(0, dtype=self.dtype, device=self.device))
+        if probe.dtype != self.dtype:
+            if not (probe.dtype.is_floating_point or probe.dtype.is_complex):
+                raise TorchShardError(
+                    f"cannot convert the flat buffer to {probe.dtype}: parameters stay floating point"
+                )
+            self.layout = FlatLayout.from_module(
+                self.module, dtype=probe.dtype, align_bytes=self.layout.align_bytes
+            )
+            self._flat = self._grad = None  # the old buffers no longer match the layout
+        if probe.device.type == "meta":
+            raise TorchShardError(
+                "cannot move a FlatParamModule to the meta device; build the model on meta "
+                "and wrap it instead"
+            )
+        if self._flat is not None and probe.device == self._flat.device:
+            new_flat = fn(self._flat)  # e.g. share_memory_(): in place, same object
+            new_grad = fn(self._grad) if self._grad is not None else None
+            if new_flat is not self._flat or new_grad is not self._grad:
+                self.bind(new_flat, new_grad)
+        else:
+            self.bind(torch.empty(self.numel, dtype=probe.dtype, device=probe.device))
+        for m in self.module.modules():
+            for key, buf in m._buffers.items():
+                if buf is not None:
+                    m._buffers[key] = fn(buf)
+        return self
+
+    def named_flat_views(self) -> Iterator[tuple[ParamSlot, torch.Tensor]]:
+        """Each slot with its parameter view (for code that walks the buffer by parameter)."""
+        self._require_bound("named_flat_views()")
+        owners = _Owners(self.module)
+        for slot in self.layout:
+            yield slot, owners.get(slot.name)
+
+
+class _Owners:
+    """Resolves dotted parameter names to (submodule, attribute) of one module tree."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self._root = root
+
+    def _split(self, name: str) -> tuple[nn.Module, str]:
+        prefix, _, attr = name.rpartition(".")
+        return (self._root.get_submodule(prefix) if prefix else self._root), attr
+
+    def get(self, name: str) -> torch.Tensor:
+        owner, attr = self._split(name)
+        return owner._parameters[attr]
+
+    def set(self, name: str, value: nn.Parameter) -> None:
+        owner, attr = self._split(name)
+        owner._parameters[attr] = value
+
+
+def _install_grad_hooks(param: nn.Parameter, gview: torch.Tensor) -> None:
+    """Keep ``param.grad`` inside the flat gradient buffer.
+
+    While ``param.grad`` is the view, autograd accumulates into it in place.
+    After ``optimizer.zero_grad()`` (``.grad = None``) autograd hands the
+    parameter the incoming gradient tensor itself (the one the backward op
+    produced anyway); this hook, which runs right after accumulation, copies
+    it into the view and puts the view back, so the stray tensor dies at
+    once. The same path repairs ``backward(create_graph=True)``, which
+    replaces ``.grad`` out of place. The hook holds the view, not the
+    parameter: it is stored on the parameter.
+    """
+
+    def after_accumulate(p: torch.Tensor) -> None:
+        g = p.grad
+        if g is not None and g.data_ptr() != gview.data_ptr():
+            with torch.no_grad():
+                gview.copy_(g)
+            p.grad = gview
+
+    param.register_post_accumulate_grad_hook(after_accumulate)
+
+
+def _zero_gaps(grad: torch.Tensor, layout: FlatLayout) -> None:
+    """Zero the alignment padding and the frozen parameters' regions of ``grad``."""
+    end = 0
+    for s in layout:
+        grad[end : s.offset].zero_()
+        if not s.requires_grad:
+            grad[s.offset : s.end].zero_()
+        end = s.end
+    grad[end : layout.numel].zero_()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()

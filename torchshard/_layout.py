@@ -1,0 +1,279 @@
+"""The flat layout: where every parameter of a module lives in one 1-D buffer.
+
+Pure metadata. Building a layout reads only shapes, dtypes and identities of
+parameters, so it works on modules built under ``torch.device("meta")``.
+This module imports nothing from torchshard except its errors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ._errors import LayoutError
+
+__all__ = ["FlatLayout", "ParamSlot", "dtype_from_name", "dtype_name"]
+
+_LAYOUT_FORMAT = 1
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"float32"`` -> ``torch.float32``; raises :class:`LayoutError` for anything else."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise LayoutError(f"dtype: expected a torch dtype name such as 'float32', got {name!r}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One unique parameter's place in the flat buffer.
+
+    ``aliases`` are the other names under which the same ``Parameter`` is
+    registered (tied weights); they share this slot.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    numel: int
+    requires_grad: bool
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Names, shapes and offsets of a module's unique parameters in one flat buffer.
+
+    Slots are in ``named_parameters()`` order; every offset is a multiple of
+    ``align_bytes``; ``numel`` (the buffer size) is rounded up to it too. The
+    layout does not depend on the world size.
+
+    Example::
+
+        with torch.device("meta"):
+            model = nn.Linear(4, 3)
+        layout = FlatLayout.from_module(model)
+        layout.numel, layout["weight"].offset, layout["bias"].offset  # (16, 0, 12)
+        assert FlatLayout.from_json(layout.to_json()) == layout
+    """
+
+    slots: tuple[ParamSlot, ...]
+    dtype: str
+    align_bytes: int
+    numel: int
+
+    @classmethod
+    def from_module(
+        cls, module: nn.Module, *, dtype: torch.dtype | None = None, align_bytes: int = 16
+    ) -> FlatLayout:
+        """Lay out ``module``'s unique parameters, casting them all to ``dtype`` if given.
+
+        Raises :class:`LayoutError` for a module without parameters, for mixed
+        parameter dtypes without ``dtype=``, and for a bad ``align_bytes``.
+        """
+        # remove_duplicate=False lists a tied Parameter under each of its names.
+        by_id: dict[int, list[str]] = {}
+        params: list[torch.nn.Parameter] = []
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if id(p) not in by_id:
+                by_id[id(p)] = []
+                params.append(p)
+            by_id[id(p)].append(name)
+        if not params:
+            raise LayoutError(
+                f"{type(module).__name__} has no parameters: nothing to put in a flat buffer"
+            )
+        if dtype is None:
+            dtypes = {p.dtype for p in params}
+            if len(dtypes) > 1:
+                groups = {
+                    dtype_name(d): [by_id[id(p)][0] for p in params if p.dtype == d][:3]
+                    for d in sorted(dtypes, key=str)
+                }
+                described = "; ".join(f"{d}: {', '.join(n)}" for d, n in groups.items())
+                raise LayoutError(
+                    f"parameters: expected one dtype, got {len(dtypes)} ({described}); "
+                    "pass dtype= to cast them all to one"
+                )
+            dtype = params[0].dtype
+        if not (dtype.is_floating_point or dtype.is_complex):
+            raise LayoutError(f"dtype: expected a floating point dtype, got {dtype}")
+        itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+        if align_bytes <= 0 or align_bytes % itemsize:
+            raise LayoutError(
+                f"align_bytes: expected a positive multiple of the {dtype} item size "
+                f"({itemsize}), got {align_bytes}"
+            )
+        align = align_bytes // itemsize
+        slots, offset = [], 0
+        for p in params:
+            names = by_id[id(p)]
+            numel = p.numel()
+            slots.append(
+                ParamSlot(
+                    name=names[0],
+                    shape=tuple(p.shape),
+                    dtype=dtype_name(dtype),
+                    offset=offset,
+                    numel=numel,
+                    requires_grad=p.requires_grad,
+                    aliases=tuple(names[1:]),
+                )
+            )
+            offset = _round_up(offset + numel, align)
+        return cls(tuple(slots), dtype_name(dtype), align_bytes, offset)
+
+    def __post_init__(self) -> None:
+        # Cheap structural checks so a layout read from JSON cannot describe
+        # overlapping or out-of-range slots.
+        align = self.align_bytes // self.torch_dtype.itemsize
+        end, seen = 0, set()
+        for s in self.slots:
+            if s.offset < end or s.offset % align or s.numel != math.prod(s.shape):
+                raise LayoutError(f"layout slot {s.name!r}: bad offset/shape/numel {s}")
+            if s.dtype != self.dtype:
+                raise LayoutError(f"layout slot {s.name!r}: dtype {s.dtype} != {self.dtype}")
+            for n in s.names:
+                if n in seen:
+                    raise LayoutError(f"layout: name {n!r} appears twice")
+                seen.add(n)
+            end = s.end
+        if self.numel < end:
+            raise LayoutError(f"layout: numel {self.numel} < end of last slot {end}")
+
+    # -- lookup ---------------------------------------------------------------
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.torch_dtype.itemsize
+
+    @property
+    def param_numel(self) -> int:
+        """Elements that belong to parameters (``numel`` minus alignment padding)."""
+        return sum(s.numel for s in self.slots)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __iter__(self) -> Iterator[ParamSlot]:
+        return iter(self.slots)
+
+    def __getitem__(self, name: str) -> ParamSlot:
+        """The slot of ``name``, which may be an alias of a tied parameter."""
+        for s in self.slots:
+            if name in s.names:
+                return s
+        raise KeyError(name)
+
+    # -- serialization ----------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "format": _LAYOUT_FORMAT,
+            "dtype": self.dtype,
+            "align_bytes": self.align_bytes,
+            "numel": self.numel,
+            "slots": [
+                [s.name, list(s.shape), s.offset, s.numel, s.requires_grad, list(s.aliases)]
+                for s in self.slots
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> FlatLayout:
+        try:
+            if data["format"] != _LAYOUT_FORMAT:
+                raise LayoutError(
+                    f"layout format: expected {_LAYOUT_FORMAT}, got {data['format']!r}; "
+                    "upgrade torchshard to read it"
+                )
+            dtype = data["dtype"]
+            dtype_from_name(dtype)
+            slots = tuple(
+                ParamSlot(
+                    name=str(name),
+                    shape=tuple(int(d) for d in shape),
+                    dtype=dtype,
+                    offset=int(offset),
+                    numel=int(numel),
+                    requires_grad=bool(rg),
+                    aliases=tuple(str(a) for a in aliases),
+                )
+                for name, shape, offset, numel, rg, aliases in data["slots"]
+            )
+            return cls(slots, dtype, int(data["align_bytes"]), int(data["numel"]))
+        except LayoutError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise LayoutError(f"layout: malformed description ({type(e).__name__}: {e})") from e
+
+    def to_json(self) -> str:
+        """A compact, deterministic JSON text (one slot per line)."""
+        d = self.to_dict()
+        slots = ",\n  ".join(json.dumps(s, separators=(",", ":")) for s in d.pop("slots"))
+        head = json.dumps(d, separators=(",", ":"))[:-1]
+        return f'{head},"slots":[\n  {slots}\n]}}'
+
+    @classmethod
+    def from_json(cls, text: str) -> FlatLayout:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise LayoutError(f"layout: not valid JSON ({e})") from e
+        if not isinstance(data, dict):
+            raise LayoutError(f"layout: expected a JSON object, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    def fingerprint(self) -> str:
+        """A stable hex digest of everything in the layout (ranks and checkpoints compare it)."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+    def first_difference(self, other: FlatLayout) -> str | None:
+        """A sentence naming the first thing that differs from ``other``, or ``None``."""
+        for attr in ("dtype", "align_bytes"):
+            if getattr(self, attr) != getattr(other, attr):
+                return f"{attr}: {getattr(self, attr)!r} vs {getattr(other, attr)!r}"
+        for a, b in zip(self.slots, other.slots):
+            if a != b:
+                return f"parameter {a.name!r}: {_describe(a)} vs {b.name!r}: {_describe(b)}"
+        if len(self.slots) != len(other.slots):
+            longer = self.slots if len(self.slots) > len(other.slots) else other.slots
+            extra = longer[min(len(self.slots), len(other.slots))]
+            return f"parameter count: {len(self.slots)} vs {len(other.slots)} (first extra: {extra.name!r})"
+        if self.numel != other.numel:
+            return f"numel: {self.numel} vs {other.numel}"
+        return None
+
+
+def _describe(s: ParamSlot) -> str:
+    tied = f", tied to {list(s.aliases)}" if s.aliases else ""
+    frozen = "" if s.requires_grad else ", frozen"
+    return f"shape {list(s.shape)} at offset {s.offset}{frozen}{tied}"
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
