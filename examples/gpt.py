@@ -124,3 +124,8 @@ def init_gpt_weights(m: nn.Module) -> None:
         # Scaled residual projection (GPT-2); applied after the Linear rule above
         # because apply() visits children first.
         nn.init.normal_(m.proj.weight, std=0.02 / math.sqrt(2 * m.n_layer))
+
+
+def gpt_small() -> GPT:
+    """The example's default model (``torchshard layout gpt:gpt_small`` from examples/)."""
+    return GPT(GPTConfig.preset("small"))

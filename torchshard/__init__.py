@@ -1,17 +1,24 @@
 """torchshard: data-parallel PyTorch training with one flat buffer of weights per device."""
 
-from ._errors import BindError, LayoutError, TorchShardError
+from ._dist import DistInfo, init_distributed
+from ._errors import BindError, LayoutError, RankMismatchError, TorchShardError
 from ._flat_module import FlatParamModule
 from ._layout import FlatLayout, ParamSlot
+from ._trainer import CommStats, DistributedTrainer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BindError",
+    "CommStats",
+    "DistInfo",
+    "DistributedTrainer",
     "FlatLayout",
     "FlatParamModule",
     "LayoutError",
     "ParamSlot",
+    "RankMismatchError",
     "TorchShardError",
     "__version__",
+    "init_distributed",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BindError", "LayoutError", "TorchShardError"]
+__all__ = ["BindError", "LayoutError", "RankMismatchError", "TorchShardError"]
 
 
 class TorchShardError(Exception):
@@ -15,3 +15,10 @@ class LayoutError(TorchShardError, ValueError):
 
 class BindError(TorchShardError, ValueError):
     """A buffer handed to :meth:`FlatParamModule.bind` does not fit the layout."""
+
+
+class RankMismatchError(TorchShardError):
+    """Ranks disagree: they built different models, or their weights drifted apart.
+
+    Raised on every rank, so no rank is left waiting in a collective.
+    """

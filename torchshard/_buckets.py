@@ -1,0 +1,68 @@
+"""Gradient buckets: contiguous ranges of the flat gradient, planned from the layout alone.
+
+Pure arithmetic on a :class:`FlatLayout`; no tensors, no process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._layout import FlatLayout
+
+__all__ = ["Bucket", "plan_buckets"]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """``[start, end)`` of the flat gradient, holding the slots ``slots`` (indices into the layout).
+
+    ``trainable`` counts the slots that receive gradients; a bucket with none is
+    never communicated.
+    """
+
+    index: int
+    start: int
+    end: int
+    slots: tuple[int, ...]
+    trainable: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def plan_buckets(layout: FlatLayout, bucket_bytes: float) -> tuple[Bucket, ...]:
+    """Cut the flat gradient into buckets of about ``bucket_bytes``, on parameter boundaries.
+
+    Buckets are numbered in reverse layout order, the order in which backward
+    produces gradients (the last layers first), like DDP's. Together they tile
+    ``[0, layout.numel)`` exactly, padding included, so reducing every bucket
+    reduces the whole buffer. A parameter larger than ``bucket_bytes`` gets a
+    bucket of its own.
+
+    Example::
+
+        buckets = plan_buckets(fm.layout, 25 * 2**20)
+        buckets[0].end == fm.layout.numel   # the last parameters come first
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes: expected a positive size, got {bucket_bytes}")
+    itemsize = layout.torch_dtype.itemsize
+    groups: list[list[int]] = []
+    size = 0
+    for i in reversed(range(len(layout.slots))):
+        nbytes = layout.slots[i].numel * itemsize
+        if groups and size + nbytes <= bucket_bytes:
+            groups[-1].append(i)
+            size += nbytes
+        else:
+            groups.append([i])
+            size = nbytes
+    buckets, end = [], layout.numel
+    for index, group in enumerate(groups):
+        start = 0 if index == len(groups) - 1 else layout.slots[group[-1]].offset
+        slots = tuple(sorted(group))
+        trainable = sum(layout.slots[i].requires_grad for i in slots)
+        buckets.append(Bucket(index, start, end, slots, trainable))
+        end = start
+    return tuple(buckets)

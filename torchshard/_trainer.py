@@ -1,0 +1,420 @@
+"""DistributedTrainer: one flat buffer per rank, gradients averaged in buckets during backward."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ._buckets import Bucket, plan_buckets
+from ._dist import destroy_owned_group, exchange_bytes, init_distributed
+from ._errors import RankMismatchError, TorchShardError
+from ._flat_module import FlatParamModule
+from ._layout import FlatLayout
+
+__all__ = ["CommStats", "DistributedTrainer"]
+
+logger = logging.getLogger(__name__)
+
+_REDUCE_OPS = {
+    "mean": dist.ReduceOp.SUM,
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+@dataclass
+class CommStats:
+    """Counters of the gradient communication (for logs and tests)."""
+
+    steps: int = 0
+    """``average_gradients()`` calls so far."""
+    buckets: int = 0
+    """Buckets that carry gradients."""
+    launched_during_backward: int = 0
+    """Buckets of the last step whose all-reduce started inside backward."""
+    wait_seconds: float = 0.0
+    """Total time ``average_gradients()`` spent waiting for communication."""
+
+
+class DistributedTrainer:
+    """Data-parallel training over one flat buffer per rank.
+
+    Binds ``fm`` to one parameter and one gradient buffer on ``device`` if it
+    is not bound yet (initializing meta-built weights), checks that every
+    rank built the same model, and broadcasts the weights and module buffers
+    from ``src``. During backward, each bucket of the flat gradient (a
+    contiguous range of about ``bucket_mb``) starts its all-reduce as soon as
+    all its parameters have their gradients, in the same bucket order on every
+    rank; :meth:`average_gradients` finishes the job.
+
+    Args:
+        fm: the wrapped model, built identically on every rank.
+        device: where the buffers live (default: the bound buffer's device, else
+            the local CUDA device under NCCL, else CPU).
+        process_group: default: the default group, initialized from torchrun's
+            environment if needed (see :func:`init_distributed`).
+        bucket_mb: bucket size in MiB; fractions allowed.
+        src: the rank whose weights everyone starts from.
+
+    Example::
+
+        fm = torchshard.FlatParamModule(model)
+        trainer = torchshard.DistributedTrainer(fm)
+        opt = torch.optim.AdamW(fm.parameters(), lr=3e-4)
+        for x, y in loader:
+            opt.zero_grad()
+            loss_fn(fm(x), y).backward()
+            trainer.average_gradients()
+            trainer.clip_grad_norm_(1.0)
+            opt.step()
+        trainer.close()
+    """
+
+    def __init__(
+        self,
+        fm: FlatParamModule,
+        *,
+        device: torch.device | str | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_mb: float = 25,
+        src: int = 0,
+    ) -> None:
+        if not isinstance(fm, FlatParamModule):
+            raise TorchShardError(
+                f"fm: expected a torchshard.FlatParamModule, got {type(fm).__name__}; "
+                "wrap the model first: FlatParamModule(model)"
+            )
+        if not bucket_mb > 0:
+            raise TorchShardError(f"bucket_mb: expected a positive size, got {bucket_mb}")
+        if process_group is None:
+            init_distributed()
+        self._group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        if not 0 <= src < self.world_size:
+            raise TorchShardError(f"src: expected a rank in [0, {self.world_size}), got {src}")
+        self.module = fm
+        self.device = self._pick_device(fm, device)
+        self._bind(fm)
+        self._flat = fm.flat_param
+        self._closed = False
+        self._check_same_model(src)
+        self.broadcast(src)
+
+        layout = fm.layout
+        self._buckets: tuple[Bucket, ...] = plan_buckets(layout, bucket_mb * 2**20)
+        self._slot_bucket = [0] * len(layout)
+        for b in self._buckets:
+            for i in b.slots:
+                self._slot_bucket[i] = b.index
+        self._params = [p for _, p in fm.named_flat_views()]
+        self._trainable = [i for i, s in enumerate(layout.slots) if s.requires_grad]
+        self._hooks = [
+            self._params[i].register_post_accumulate_grad_hook(self._make_hook(i))
+            for i in self._trainable
+        ]
+        self._sync = True
+        self._works: list[dist.Work] = []
+        self._reset_step()
+        self.stats = CommStats(buckets=sum(b.trainable > 0 for b in self._buckets))
+        logger.info(
+            "DistributedTrainer: rank %d of %d on %s, %d parameters in %d buckets",
+            self.rank,
+            self.world_size,
+            self.device,
+            layout.param_numel,
+            self.stats.buckets,
+        )
+
+    # -- set-up ---------------------------------------------------------------------
+    def _pick_device(self, fm: FlatParamModule, device: torch.device | str | None) -> torch.device:
+        if device is not None:
+            return torch.device(device)
+        if fm.is_bound:
+            return fm.device
+        if torch.cuda.is_available() and dist.get_backend(self._group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _bind(self, fm: FlatParamModule) -> None:
+        if fm.is_bound:
+            if fm.device != self.device:
+                fm.to(self.device)
+            return
+        was_meta = any(p.is_meta for p in fm.module.parameters())
+        flat = torch.empty(fm.numel, dtype=fm.dtype, device=self.device)
+        grad = torch.zeros(fm.numel, dtype=fm.dtype, device=self.device)
+        fm.bind(flat, grad)
+        if was_meta:
+            fm.init_weights()
+
+    def _check_same_model(self, src: int) -> None:
+        """Compare the layout (and module buffers) of every rank; raise on all ranks if any differ."""
+        layout = self.module.layout
+        buffers = [[n, list(b.shape), str(b.dtype)] for n, b in self.module.module.named_buffers()]
+        mine = layout.fingerprint() + hashlib.sha256(json.dumps(buffers).encode()).hexdigest()[:32]
+        everyone = exchange_bytes(mine.encode(), self._group, self.device)
+        bad = [r for r, fp in enumerate(everyone) if fp != everyone[src]]
+        if not bad:
+            return
+        # Every rank reaches this point (they all saw the same fingerprints), so
+        # one more exchange, of the full descriptions, is safe.
+        desc = json.dumps({"layout": layout.to_dict(), "buffers": buffers}).encode()
+        descs = [json.loads(d) for d in exchange_bytes(desc, self._group, self.device)]
+        first = bad[0]
+        ref, other = (FlatLayout.from_dict(descs[r]["layout"]) for r in (src, first))
+        diff = ref.first_difference(other)
+        if diff is None:
+            diff = f"module buffers: {descs[src]['buffers']} vs {descs[first]['buffers']}"
+        raise RankMismatchError(
+            f"ranks {bad} built a different model than rank {src}: first difference (rank {src} "
+            f"vs rank {first}): {diff}; every rank must build the same model with the same "
+            "FlatParamModule arguments"
+        )
+
+    def _make_hook(self, i: int):  # noqa: ANN202 - closure for register_post_accumulate_grad_hook
+        def hook(_: torch.Tensor) -> None:
+            self._on_grad_ready(i)
+
+        return hook
+
+    # -- gradient averaging --------------------------------------------------------------
+    def _reset_step(self) -> None:
+        self._ready = [False] * len(self.module.layout)
+        self._pending = [b.trainable for b in self._buckets]
+        self._next = 0
+        self._launched_in_backward = 0
+
+    def _on_grad_ready(self, i: int) -> None:
+        if not self._sync:
+            return
+        if self._ready[i]:
+            name = self.module.layout.slots[i].name
+            raise TorchShardError(
+                f"parameter {name!r} received a second gradient before average_gradients(); "
+                "call trainer.average_gradients() after every backward, or accumulate "
+                "inside `with trainer.no_sync():`"
+            )
+        self._ready[i] = True
+        b = self._slot_bucket[i]
+        self._pending[b] -= 1
+        if self._pending[b] == 0:
+            # Launch in bucket order only: a collective issued out of order
+            # on one rank deadlocks (NCCL) or mixes up buckets (gloo).
+            while self._next < len(self._buckets) and self._pending[self._next] == 0:
+                self._launch(self._buckets[self._next], in_backward=True)
+                self._next += 1
+
+    def _launch(self, bucket: Bucket, *, in_backward: bool) -> None:
+        if bucket.trainable == 0:
+            return
+        grad = self.module.flat_grad
+        assert grad is not None
+        if not in_backward:
+            # Parameters without a gradient on this rank contribute zeros.
+            for i in bucket.slots:
+                if self.module.layout.slots[i].requires_grad and self._params[i].grad is None:
+                    s = self.module.layout.slots[i]
+                    grad[s.offset : s.end].zero_()
+        if self.world_size > 1:
+            view = grad[bucket.start : bucket.end]
+            self._works.append(dist.all_reduce(view, group=self._group, async_op=True))
+        self._launched_in_backward += in_backward
+
+    def average_gradients(self) -> None:
+        """Finish the gradient all-reduce: afterwards every rank's flat gradient is the mean.
+
+        Call it after ``loss.backward()`` (and after the last backward of an
+        accumulation done inside :meth:`no_sync`). A parameter used on some
+        ranks gets the mean over all ranks, zeros counting for ranks that did
+        not use it; a parameter no rank used keeps ``.grad is None``.
+        """
+        self._check_open()
+        while self._next < len(self._buckets):
+            self._launch(self._buckets[self._next], in_backward=False)
+            self._next += 1
+        if self.world_size > 1:
+            # Which parameters have a gradient anywhere: one small all-reduce,
+            # always issued last so the order is the same on every rank.
+            used = torch.tensor(
+                [self._params[i].grad is not None for i in self._trainable],
+                dtype=torch.int32,
+                device=self.device,
+            )
+            self._works.append(dist.all_reduce(used, group=self._group, async_op=True))
+            t0 = time.perf_counter()
+            for work in self._works:
+                work.wait()
+            self.stats.wait_seconds += time.perf_counter() - t0
+            grad = self.module.flat_grad
+            assert grad is not None
+            grad.div_(self.world_size)
+            for i, n in zip(self._trainable, used.tolist()):
+                p = self._params[i]
+                if n and p.grad is None:
+                    s = self.module.layout.slots[i]
+                    p.grad = grad[s.offset : s.end].view(s.shape)
+        self._works.clear()
+        self.stats.steps += 1
+        self.stats.launched_during_backward = self._launched_in_backward
+        self._reset_step()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without communication, like DDP's ``no_sync``.
+
+        Example::
+
+            with trainer.no_sync():
+                for x in micro_batches[:-1]:
+                    loss_fn(fm(x)).backward()
+            loss_fn(fm(micro_batches[-1])).backward()   # communicates everything
+            trainer.average_gradients()
+        """
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # -- other collectives ------------------------------------------------------------------
+    @torch.no_grad()
+    def broadcast(self, src: int = 0) -> None:
+        """Copy ``src``'s flat parameter buffer and module buffers to every rank."""
+        self._check_open()
+        if not 0 <= src < self.world_size:
+            raise TorchShardError(f"src: expected a rank in [0, {self.world_size}), got {src}")
+        if self.world_size == 1:
+            return
+        flat = self.module.flat_param
+        assert flat is not None
+        # torch's broadcast takes a global rank; src is a rank of our group.
+        root = src if self._group is None else dist.get_global_rank(self._group, src)
+        dist.broadcast(flat, root, group=self._group)
+        for b in self.module.module.buffers():
+            dist.broadcast(b, root, group=self._group)
+
+    @torch.no_grad()
+    def all_reduce_parameters(self, op: str = "mean") -> None:
+        """Reduce the flat parameter buffer across ranks (``mean``, ``sum``, ``max`` or ``min``).
+
+        Example::
+
+            if step % 100 == 0:          # local SGD: average the weights now and then
+                trainer.all_reduce_parameters()
+        """
+        self._check_open()
+        if op not in _REDUCE_OPS:
+            raise TorchShardError(f"op: expected one of {sorted(_REDUCE_OPS)}, got {op!r}")
+        if self.world_size == 1:
+            return
+        flat = self.module.flat_param
+        assert flat is not None
+        dist.all_reduce(flat, op=_REDUCE_OPS[op], group=self._group)
+        if op == "mean":
+            flat.div_(self.world_size)
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the flat gradient to a total norm of ``max_norm``; returns the norm before.
+
+        One norm over the whole (averaged) flat gradient, as
+        ``torch.nn.utils.clip_grad_norm_`` computes over all parameters.
+        Call it after :meth:`average_gradients`.
+        """
+        self._check_open()
+        grad = self.module.flat_grad
+        if grad is None:
+            return torch.zeros((), device=self.device)
+        total = torch.linalg.vector_norm(grad, norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise TorchShardError(
+                f"the total gradient norm is {total.item()}; set error_if_nonfinite=False to clip anyway"
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        grad.mul_(coef)
+        return total
+
+    @torch.no_grad()
+    def assert_in_sync(self) -> None:
+        """Raise :class:`RankMismatchError` on every rank if any rank's weights differ.
+
+        Compares a bitwise checksum per parameter and module buffer, and names
+        the first one that differs and the ranks that hold other values.
+        """
+        self._check_open()
+        names, sums = [], []
+        for slot, p in self.module.named_flat_views():
+            names.append(slot.name)
+            sums.append(_bit_checksum(p))
+        for name, b in self.module.module.named_buffers():
+            names.append(f"buffer {name}")
+            sums.append(_bit_checksum(b))
+        mine = torch.tensor(sums, dtype=torch.int64, device=self.device)
+        if self.world_size == 1:
+            return
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self._group)
+        table = torch.stack(everyone).cpu()
+        differs = (table != table[0]).any(dim=0).nonzero()
+        if len(differs):
+            k = int(differs[0])
+            odd = [r for r in range(self.world_size) if table[r, k] != table[0, k]]
+            raise RankMismatchError(
+                f"weights out of sync: {names[k]!r} differs between rank 0 and ranks {odd} "
+                f"({len(differs)} of {len(names)} tensors differ); call trainer.broadcast() "
+                "to resynchronize, and check that every rank runs the same optimizer steps"
+            )
+
+    # -- teardown ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove the hooks, wait for communication in flight, and tear down the process
+        group if torchshard initialized it. Idempotent."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        for work in self._works:
+            work.wait()
+        self._works.clear()
+        destroy_owned_group()
+
+    def __enter__(self) -> DistributedTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TorchShardError("the trainer is closed; create a new DistributedTrainer")
+        if self.module.flat_param is not self._flat:
+            raise TorchShardError(
+                "the FlatParamModule was bound to another buffer after the trainer was created "
+                "(fm.bind(), fm.to(), ...); create the trainer after moving the model"
+            )
+
+
+def _bit_checksum(t: torch.Tensor, chunk: int = 1 << 20) -> int:
+    """A position-weighted sum of the raw bits of ``t`` (equal values give equal sums)."""
+    flat = t.detach().reshape(-1)
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    bits = flat.view(ints) if flat.dtype != torch.bool else flat.to(torch.int8)
+    total = 0
+    for start in range(0, bits.numel(), chunk):
+        part = bits[start : start + chunk].to(torch.int64)
+        weights = torch.arange(start + 1, start + 1 + part.numel(), device=part.device) % 65521
+        total = (total + int((part * (weights + 1)).sum())) % (1 << 62)
+    return total
