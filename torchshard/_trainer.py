@@ -7,7 +7,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +64,8 @@ class DistributedTrainer:
             environment if needed (see :func:`init_distributed`).
         bucket_mb: bucket size in MiB; fractions allowed.
         src: the rank whose weights everyone starts from.
+        init_fn: how to initialize a meta-built model, as in
+            :meth:`FlatParamModule.init_weights` (default: ``reset_parameters()``).
 
     Example::
 
@@ -87,6 +89,7 @@ class DistributedTrainer:
         process_group: dist.ProcessGroup | None = None,
         bucket_mb: float = 25,
         src: int = 0,
+        init_fn: Callable[[torch.nn.Module], None] | None = None,
     ) -> None:
         if not isinstance(fm, FlatParamModule):
             raise TorchShardError(
@@ -104,7 +107,7 @@ class DistributedTrainer:
             raise TorchShardError(f"src: expected a rank in [0, {self.world_size}), got {src}")
         self.module = fm
         self.device = self._pick_device(fm, device)
-        self._bind(fm)
+        self._bind(fm, init_fn)
         self._flat = fm.flat_param
         self._closed = False
         self._check_same_model(src)
@@ -145,7 +148,7 @@ class DistributedTrainer:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _bind(self, fm: FlatParamModule) -> None:
+    def _bind(self, fm: FlatParamModule, init_fn: Callable[[torch.nn.Module], None] | None) -> None:
         if fm.is_bound:
             if fm.device != self.device:
                 fm.to(self.device)
@@ -155,7 +158,7 @@ class DistributedTrainer:
         grad = torch.zeros(fm.numel, dtype=fm.dtype, device=self.device)
         fm.bind(flat, grad)
         if was_meta:
-            fm.init_weights()
+            fm.init_weights(init_fn)
 
     def _check_same_model(self, src: int) -> None:
         """Compare the layout (and module buffers) of every rank; raise on all ranks if any differ."""
@@ -181,7 +184,7 @@ class DistributedTrainer:
             "FlatParamModule arguments"
         )
 
-    def _make_hook(self, i: int):  # noqa: ANN202 - closure for register_post_accumulate_grad_hook
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
             self._on_grad_ready(i)
 

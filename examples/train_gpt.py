@@ -1,0 +1,165 @@
+"""Train a small GPT on text that ships with Python, data-parallel with torchshard.
+
+The corpus is Python's own help text (``pydoc_data.topics``, ~0.5 MB, part of
+every CPython install), modelled byte by byte. Nothing is downloaded.
+
+    # two processes on this machine (gloo on CPU, NCCL on GPUs)
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
+
+    # a world of one, no launcher
+    python examples/train_gpt.py --steps 50
+
+    # two machines (run on each, with its own --node-rank)
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 \
+        --rdzv-backend c10d --rdzv-endpoint HOST0:29500 examples/train_gpt.py
+
+Rank 0 logs the loss (mean over ranks), tokens per second and the time spent
+waiting for gradient communication.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import os
+import sys
+import time
+from pydoc_data.topics import topics
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt import GPT, GPTConfig, init_gpt_weights
+
+import torchshard
+
+log = logging.getLogger("train_gpt")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="small", help="model size: tiny, small, 125m, ... (gpt.py)")
+    p.add_argument("--n-layer", type=int, help="override the preset's layers")
+    p.add_argument("--n-embd", type=int, help="override the preset's width")
+    p.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size (MiB)")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)"
+    )
+    return p.parse_args(argv)
+
+
+def load_corpus() -> tuple[torch.Tensor, torch.Tensor]:
+    text = "\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    n = int(0.9 * len(data))
+    return data[:n], data[n:]
+
+
+def get_batch(data: torch.Tensor, batch: int, block: int, gen: torch.Generator, device):
+    starts = torch.randint(0, len(data) - block - 1, (batch,), generator=gen)
+    x = torch.stack([data[s : s + block] for s in starts])
+    y = torch.stack([data[s + 1 : s + 1 + block] for s in starts])
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+def main(argv: list[str] | None = None) -> float:
+    args = parse_args(argv)
+    info = torchshard.init_distributed()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
+    if info.rank == 0:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    overrides = {k: v for k, v in dict(n_layer=args.n_layer, n_embd=args.n_embd).items() if v}
+    base = GPTConfig.preset(args.preset)
+    cfg = GPTConfig(**{**base.__dict__, **overrides, "block_size": args.block_size})
+    # Build without storage; the trainer allocates one flat buffer on the device,
+    # and every rank starts from rank 0's weights.
+    torch.manual_seed(args.seed)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    fm = torchshard.FlatParamModule(model)
+    trainer = torchshard.DistributedTrainer(
+        fm, device=info.device, bucket_mb=args.bucket_mb, init_fn=init_gpt_weights
+    )
+    opt = torch.optim.AdamW(fm.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    train, val = load_corpus()
+    gen = torch.Generator().manual_seed(args.seed * 1000 + info.rank)  # different data per rank
+    log.info(
+        "world %d on %s: %.2fM parameters, corpus %d bytes, %d buckets",
+        info.world_size,
+        info.device,
+        fm.layout.param_numel / 1e6,
+        len(train) + len(val),
+        trainer.stats.buckets,
+    )
+
+    tokens_per_step = args.batch_size * args.block_size * args.grad_accum * info.world_size
+    t_last, wait_last, loss_sum, first_loss = time.perf_counter(), 0.0, 0.0, None
+    for step in range(1, args.steps + 1):
+        lr = args.lr * min(1.0, step / args.warmup)
+        lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad()
+        for micro in range(args.grad_accum):
+            x, y = get_batch(train, args.batch_size, args.block_size, gen, info.device)
+            sync_later = micro < args.grad_accum - 1
+            with trainer.no_sync() if sync_later else contextlib.nullcontext():
+                _, loss = fm(x, y)
+                (loss / args.grad_accum).backward()
+            loss_sum += loss.item() / args.grad_accum
+        trainer.average_gradients()
+        trainer.clip_grad_norm_(args.max_grad_norm)
+        opt.step()
+
+        if step % args.log_every == 0 or step == args.steps:
+            mean_loss = torch.tensor(
+                [loss_sum / ((step - 1) % args.log_every + 1)], device=info.device
+            )
+            dist.all_reduce(mean_loss)
+            mean_loss = mean_loss.item() / info.world_size
+            first_loss = first_loss or mean_loss
+            now, wait = time.perf_counter(), trainer.stats.wait_seconds
+            steps_done = (step - 1) % args.log_every + 1
+            log.info(
+                "step %4d  loss %.4f  lr %.2e  %6.0f tok/s  comm wait %.1f ms/step",
+                step,
+                mean_loss,
+                lr,
+                tokens_per_step * steps_done / (now - t_last),
+                1000 * (wait - wait_last) / steps_done,
+            )
+            t_last, wait_last, loss_sum = now, wait, 0.0
+
+    val_loss = evaluate(fm, val, args, info.device)
+    log.info("done: first logged loss %.4f, validation loss %.4f", first_loss, val_loss)
+    trainer.close()
+    return val_loss
+
+
+@torch.no_grad()
+def evaluate(fm: torchshard.FlatParamModule, data: torch.Tensor, args, device) -> float:
+    fm.eval()
+    gen = torch.Generator().manual_seed(1234)
+    losses = [
+        fm(*get_batch(data, args.batch_size, args.block_size, gen, device))[1] for _ in range(4)
+    ]
+    fm.train()
+    return torch.stack(losses).mean().item()
+
+
+if __name__ == "__main__":
+    main()
