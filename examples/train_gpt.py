@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> float:
 
     overrides = {k: v for k, v in dict(n_layer=args.n_layer, n_embd=args.n_embd).items() if v}
     base = GPTConfig.preset(args.preset)
-    cfg = GPTConfig(**{**base.__dict__, **overrides, "block_size": args.block_size})
+    # bytes are the tokens: vocab_size 256 whatever the preset says
+    cfg = GPTConfig(**{**base.__dict__, **overrides, "block_size": args.block_size, "vocab_size": 256})
     # Build without storage; the trainer allocates one flat buffer on the device,
     # and every rank starts from rank 0's weights.
     torch.manual_seed(args.seed)

@@ -1,0 +1,116 @@
+"""The real launchers: torchrun on one node, two torchrun "nodes" on loopback, and no launcher."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from multiprocess import free_port, run_distributed
+
+import torchshard
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = str(ROOT / "examples" / "train_gpt.py")
+# Small enough for a test, big enough to see the loss fall.
+SMALL = ["--preset", "tiny", "--block-size", "16", "--batch-size", "8", "--steps", "30",
+         "--log-every", "10", "--lr", "1e-2", "--threads", "1"]  # fmt: skip
+
+
+def clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE",
+           "LOCAL_", "MASTER_", "GROUP_", "ROLE_", "TORCHELASTIC", "PYTEST_XDIST"))}  # fmt: skip
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def check_run(out: subprocess.CompletedProcess, world: int) -> None:
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert f"world {world} on cpu" in text, text
+    assert "done: first logged loss" in text, text
+    for bad in ("Traceback", "abort", "NOT been destroyed", "hang"):
+        assert bad not in text, text
+    losses = [float(line.split("loss")[1].split()[0]) for line in text.splitlines() if "step " in line]
+    assert len(losses) == 3 and losses[-1] < losses[0], text
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+@pytest.mark.slow
+def test_torchrun_standalone_two_processes():
+    cmd = torchrun("--standalone", "--nproc-per-node", "2", EXAMPLE, *SMALL)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
+    check_run(out, world=2)
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_over_loopback():
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = torchrun(
+            "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", "loopback-test", "--rdzv-conf", f"is_host={node == 0}".lower(),
+            EXAMPLE, *SMALL,
+        )  # fmt: skip
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=clean_env())  # fmt: skip
+        )
+    try:
+        results = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    node0 = subprocess.CompletedProcess([], procs[0].returncode, *results[0])
+    check_run(node0, world=2)
+    assert procs[1].returncode == 0, results[1]
+
+
+@pytest.mark.slow
+def test_without_a_launcher_it_is_a_world_of_one():
+    cmd = [sys.executable, EXAMPLE, *SMALL]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
+    check_run(out, world=1)
+
+
+def _init_from_torchrun_env() -> dict:
+    first = torchshard.init_distributed()
+    again = torchshard.init_distributed()
+    assert first == again
+    fm = torchshard.FlatParamModule(__import__("torch").nn.Linear(3, 3))
+    trainer = torchshard.DistributedTrainer(fm)
+    trainer.assert_in_sync()
+    trainer.close()
+    trainer.close()  # idempotent
+    return dict(
+        rank=first.rank,
+        world=first.world_size,
+        local=first.local_rank,
+        device=str(first.device),
+        torn_down=not dist.is_initialized(),
+    )
+
+
+def test_init_distributed_reads_the_torchrun_environment():
+    infos = run_distributed(_init_from_torchrun_env, 3, init_process_group=False, timeout=60)
+    for rank, info in enumerate(infos):
+        assert info == dict(rank=rank, world=3, local=rank, device="cpu", torn_down=True)
+
+
+def _group_created_by_the_user_is_left_alone() -> bool:
+    fm = torchshard.FlatParamModule(__import__("torch").nn.Linear(3, 3))
+    with torchshard.DistributedTrainer(fm):
+        pass
+    return dist.is_initialized()
+
+
+def test_trainer_leaves_a_user_created_group_alone():
+    assert run_distributed(_group_created_by_the_user_is_left_alone, 2, timeout=60) == [True, True]
