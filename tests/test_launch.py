@@ -16,13 +16,41 @@ import torchshard
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "train_gpt.py")
 # Small enough for a test, big enough to see the loss fall.
-SMALL = ["--preset", "tiny", "--block-size", "16", "--batch-size", "8", "--steps", "30",
-         "--log-every", "10", "--lr", "1e-2", "--threads", "1"]  # fmt: skip
+SMALL = [
+    "--preset",
+    "tiny",
+    "--block-size",
+    "16",
+    "--batch-size",
+    "8",
+    "--steps",
+    "30",
+    "--log-every",
+    "10",
+    "--lr",
+    "1e-2",
+    "--threads",
+    "1",
+]
 
 
 def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE",
-           "LOCAL_", "MASTER_", "GROUP_", "ROLE_", "TORCHELASTIC", "PYTEST_XDIST"))}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(
+            (
+                "RANK",
+                "WORLD_SIZE",
+                "LOCAL_",
+                "MASTER_",
+                "GROUP_",
+                "ROLE_",
+                "TORCHELASTIC",
+                "PYTEST_XDIST",
+            )
+        )
+    }
     env["OMP_NUM_THREADS"] = "1"
     return env
 
@@ -34,7 +62,9 @@ def check_run(out: subprocess.CompletedProcess, world: int) -> None:
     assert "done: first logged loss" in text, text
     for bad in ("Traceback", "abort", "NOT been destroyed", "hang"):
         assert bad not in text, text
-    losses = [float(line.split("loss")[1].split()[0]) for line in text.splitlines() if "step " in line]
+    losses = [
+        float(line.split("loss")[1].split()[0]) for line in text.splitlines() if "step " in line
+    ]
     assert len(losses) == 3 and losses[-1] < losses[0], text
 
 
@@ -55,14 +85,27 @@ def test_two_torchrun_nodes_over_loopback():
     procs = []
     for node in (0, 1):
         cmd = torchrun(
-            "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", "loopback-test", "--rdzv-conf", f"is_host={node == 0}".lower(),
-            EXAMPLE, *SMALL,
-        )  # fmt: skip
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "loopback-test",
+            "--rdzv-conf",
+            f"is_host={node == 0}".lower(),
+            EXAMPLE,
+            *SMALL,
+        )
         procs.append(
-            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=clean_env())  # fmt: skip
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env()
+            )
         )
     try:
         results = [p.communicate(timeout=240) for p in procs]

@@ -16,7 +16,11 @@ def test_quickstart_runs():
     assert snippet, "README has no quickstart snippet"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     out = subprocess.run(
-        [sys.executable, "-c", snippet.group(1)], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-c", snippet.group(1)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stderr

@@ -1,0 +1,326 @@
+"""Run a function in N local processes joined by a process group: the harness of every
+distributed test.
+
+Usage::
+
+    import torch
+    import torch.distributed as dist
+    from multiprocess import run_distributed
+
+    def _sum_of_ranks() -> float:  # module level: children import it by reference
+        t = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(t)
+        return t.item()
+
+    def test_sum_of_ranks() -> None:
+        assert run_distributed(_sum_of_ranks, 3, timeout=30) == [3.0, 3.0, 3.0]
+
+Children are fresh interpreters (forkserver, never fork), so no pytest/xdist/execnet threads,
+sockets or locks are inherited; they receive the parent's *current* os.environ, sys.path and
+cwd at each call (the forkserver itself would otherwise hand out those of its own start).
+Their stdout/stderr are the forkserver's, i.e. the fds pytest captured when it started.
+Any failure raises WorkerError; a hang raises WorkerTimeout with each hung rank's Python stack.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["GRACE_PERIOD", "WorkerError", "WorkerTimeout", "free_port", "run_distributed"]
+
+GRACE_PERIOD = 3.0  # after the first failure, seconds to collect other ranks' errors
+
+# Start method, measured on the 2-core CI box (torch 2.13 CPU, Python 3.11). Until every child
+# had imported torch.distributed: spawn 1.0-1.3 s for 2 children and 2.2-4.7 s for 4 (each
+# child imports torch, ~0.9 s of CPU); forkserver preloading torch ~1 s once per test process
+# to start the server, then 0.01-0.02 s for 2 or 4. A whole run_distributed(all_reduce) from a
+# test module (box busy with other jobs): spawn 5.3 s (2 ranks) / 11 s (4); forkserver 0.10 s /
+# 0.18 s, once pytest (imported by every test module) is preloaded too (0.4 s / 0.8 s before).
+# Hence forkserver; TORCHSHARD_TEST_START_METHOD=spawn to compare. Never fork: parent threads.
+_CTX = mp.get_context(os.environ.get("TORCHSHARD_TEST_START_METHOD", "forkserver"))
+if _CTX.get_start_method() == "forkserver":
+    _CTX.set_forkserver_preload(["torch", "torch.distributed", "pytest", __name__])
+
+
+class WorkerError(RuntimeError):
+    """One or more ranks failed. ``errors``: rank -> traceback (or exit report), in the order
+    the parent saw them; ``pids``: rank -> pid of every worker (all dead by the time you see it).
+    """
+
+    def __init__(
+        self, message: str, errors: dict[int, str] | None = None, pids: dict[int, int] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.errors: dict[int, str] = errors or {}
+        self.pids: dict[int, int] = pids or {}
+
+
+class WorkerTimeout(WorkerError):
+    """Not every rank finished within ``timeout``. A WorkerError subclass (not TimeoutError:
+    the two built-in bases cannot be combined), so ``except WorkerError`` catches every helper
+    failure. ``unfinished``: the ranks that were killed; ``errors``: their Python stacks."""
+
+    def __init__(
+        self,
+        message: str,
+        errors: dict[int, str] | None = None,
+        pids: dict[int, int] | None = None,
+        unfinished: list[int] | None = None,
+    ) -> None:
+        super().__init__(message, errors, pids)
+        self.unfinished: list[int] = unfinished or []
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago. Racy: another process may take it
+    before you bind it. Prefer a store bound to port 0 where you can."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class _Config:
+    payload: bytes  # pickled (fn, args, kwargs), loaded after sys.path is restored
+    world_size: int
+    port: int
+    backend: str
+    init_process_group: bool
+    pg_timeout: float
+    environ: dict[str, str]
+    env: dict[str, str]
+    sys_path: list[str]
+    cwd: str
+    tmpdir: str
+
+
+def _exit_when_parent_dies(alive: Connection) -> None:
+    with suppress(EOFError, OSError):
+        alive.recv_bytes()  # nothing is ever sent: returns when the parent's end closes
+    os._exit(70)
+
+
+def _child(rank: int, cfg: _Config, conn: Connection, alive: Connection) -> None:
+    threading.Thread(target=_exit_when_parent_dies, args=(alive,), daemon=True).start()
+    try:
+        os.environ.clear()
+        os.environ.update(cfg.environ)
+        n = str(cfg.world_size)
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=n,
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=n,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(cfg.port),
+        )
+        os.environ.update(cfg.env)
+        sys.path[:] = cfg.sys_path
+        os.chdir(cfg.cwd)
+        dump = open(os.path.join(cfg.tmpdir, f"rank{rank}.txt"), "w")  # noqa: SIM115 (kept open)
+        faulthandler.enable(dump, all_threads=True)  # crash -> stack in the parent's report
+        faulthandler.register(signal.SIGUSR1, dump, all_threads=True)  # parent asks on timeout
+        torch.set_num_threads(1)
+        fn, args, kwargs = pickle.loads(cfg.payload)
+        if cfg.init_process_group:
+            td = timedelta(seconds=cfg.pg_timeout)
+            store = dist.TCPStore(
+                "127.0.0.1", cfg.port, cfg.world_size, is_master=False, timeout=td
+            )
+            dist.init_process_group(
+                cfg.backend, store=store, rank=rank, world_size=cfg.world_size, timeout=td
+            )
+            dist.barrier()  # else a rank may finish (and tear down) while a peer still connects
+        message = pickle.dumps(("ok", fn(*args, **kwargs)))
+    except BaseException:
+        message = pickle.dumps(("error", traceback.format_exc()))
+    conn.send_bytes(message)  # report first: destroying may block on a broken group
+    conn.close()
+    if dist.is_initialized():
+        with suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _exit_report(code: int | None) -> str:
+    if code is not None and code < 0:
+        with suppress(ValueError):
+            return f"killed by signal {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _stop(procs: list[Any]) -> None:
+    """Terminate, then kill after 1 s, and reap every process in ``procs``."""
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    end = time.monotonic() + 1.0
+    for p in alive:
+        p.join(max(0.0, end - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for p in procs:
+        p.close()  # frees the sentinel fd now rather than at garbage collection
+
+
+def _dumped(tmpdir: str, rank: int) -> str:
+    with suppress(OSError), open(os.path.join(tmpdir, f"rank{rank}.txt")) as f:
+        return f.read()
+    return ""
+
+
+def _collect(
+    procs: dict[int, Any],
+    conns: dict[int, Connection],
+    timeout: float,
+    tmpdir: str,
+) -> tuple[dict[int, Any], dict[int, str], list[int]]:
+    """Wait for the children: (results, errors in the order seen, ranks still running)."""
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+
+    def receive(rank: int) -> None:  # each child sends exactly one message
+        try:
+            kind, value = pickle.loads(conns[rank].recv_bytes())
+            (results if kind == "ok" else errors)[rank] = value
+        except (EOFError, OSError):
+            pass  # died without a report: its sentinel tells how
+        except Exception:
+            errors[rank] = f"unpickling its result failed:\n{traceback.format_exc()}"
+        conns[rank].close()
+
+    pending = set(procs)
+    deadline, failed = time.monotonic() + timeout, False
+    while pending and time.monotonic() < deadline:
+        # Read messages as they come, so no child blocks forever writing a large result.
+        ready = wait(
+            [conns[r] for r in pending if not conns[r].closed]
+            + [procs[r].sentinel for r in pending],
+            deadline - time.monotonic(),
+        )
+        for rank in sorted(pending):
+            if conns[rank] in ready:
+                receive(rank)
+            if procs[rank].sentinel in ready:  # exited
+                if not conns[rank].closed and conns[rank].poll():
+                    receive(rank)
+                procs[rank].join()
+                pending.discard(rank)
+                how = _exit_report(procs[rank].exitcode)
+                if rank not in results and rank not in errors:
+                    errors[rank] = f"exited with {how} without reporting a result\n"
+                    errors[rank] += _dumped(tmpdir, rank)  # faulthandler's stack, if it crashed
+                elif procs[rank].exitcode != 0 and rank in results:
+                    errors[rank] = f"returned, then exited with {how}"
+        if errors and not failed:  # give the other ranks' errors a moment to arrive
+            failed, deadline = True, min(deadline, time.monotonic() + GRACE_PERIOD)
+    return results, errors, sorted(pending)
+
+
+def _message(head: str, texts: dict[int, str], pids: dict[int, int]) -> str:
+    body = "".join(f"\n--- rank {r} (pid {pids[r]}) ---\n{t.rstrip()}" for r, t in texts.items())
+    return head + body
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    env: dict[str, str] | None = None,
+    init_process_group: bool = True,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ranks 0..world_size-1, one fresh process each, and return
+    their (picklable) return values by rank.
+
+    Each child gets torchrun's env (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) updated with ``env``, and ``torch.set_num_threads(1)``. With
+    ``init_process_group`` the child joins a ``backend`` group before ``fn`` (rendezvous on a
+    TCPStore this process binds to port 0: no port race) and destroys it afterwards; without
+    it, ``fn`` initializes itself from the env, and MASTER_PORT comes from free_port() (racy,
+    rarely). Raises WorkerError (GRACE_PERIOD s after the first failure, with every error seen
+    by then) or WorkerTimeout; no worker outlives this call.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    payload = pickle.dumps((fn, args, kwargs))  # fail here, not in every child
+    store = None
+    if init_process_group:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+        port = store.port
+    else:
+        port = free_port()
+    procs: dict[int, Any] = {}
+    conns: dict[int, Connection] = {}
+    alive_r, alive_w = mp.Pipe(duplex=False)  # children exit when alive_w closes
+    with tempfile.TemporaryDirectory(prefix="run_distributed-") as tmpdir:
+        cfg = _Config(
+            payload,
+            world_size,
+            port,
+            backend,
+            init_process_group,
+            timeout + 30.0,
+            dict(os.environ),
+            dict(env or {}),
+            list(sys.path),
+            os.getcwd(),
+            tmpdir,
+        )
+        try:
+            for rank in range(world_size):
+                conns[rank], child_end = mp.Pipe(duplex=False)
+                procs[rank] = _CTX.Process(
+                    target=_child,
+                    args=(rank, cfg, child_end, alive_r),
+                    name=f"run_distributed-rank{rank}",
+                )
+                procs[rank].start()
+                child_end.close()
+            pids = {rank: p.pid for rank, p in procs.items()}
+            results, errors, pending = _collect(procs, conns, timeout, tmpdir)
+            if errors:
+                ranks = ", ".join(map(str, errors))
+                head = f"rank{'s' * (len(errors) > 1)} {ranks} of {world_size} failed"
+                if pending:
+                    head += f"; ranks {pending} were still running and were killed"
+                raise WorkerError(_message(head, errors, pids), errors, pids)
+            if pending:
+                for rank in pending:  # each hung rank dumps its stacks (faulthandler)
+                    with suppress(OSError):
+                        os.kill(pids[rank], signal.SIGUSR1)
+                time.sleep(0.5)
+                stacks = {rank: _dumped(tmpdir, rank) or "(no stack dumped)" for rank in pending}
+                head = (
+                    f"ranks {pending} of {world_size} did not finish within {timeout:g} s"
+                    " and were killed; their stacks:"
+                )
+                raise WorkerTimeout(_message(head, stacks, pids), stacks, pids, pending)
+            return [results[rank] for rank in range(world_size)]
+        finally:
+            _stop(list(procs.values()))
+            for c in [*conns.values(), alive_r, alive_w]:
+                c.close()
+            del store  # the rendezvous server

@@ -1,0 +1,188 @@
+"""Tests of the multi-process test harness itself (tests/multiprocess.py), with real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from multiprocess import GRACE_PERIOD, WorkerError, WorkerTimeout, free_port, run_distributed
+
+# --- workers: module level so that the children can import them by reference -------------
+
+
+def _all_reduce_rank_plus_one(scale: float, *, offset: float = 0.0) -> float:
+    t = torch.tensor([scale * (dist.get_rank() + 1) + offset])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _report_env() -> dict[str, str]:
+    keys = [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "MP_TEST_EXTRA",
+        "MP_TEST_PARENT",
+    ]
+    env = {k: os.environ[k] for k in keys if k in os.environ}
+    env["threads"] = str(torch.get_num_threads())
+    env["initialized"] = str(dist.is_initialized())
+    return env
+
+
+def _rank1_raises_while_rank0_waits() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("boom")
+    dist.all_reduce(torch.ones(1))  # blocks: rank 1 never joins
+
+
+def _every_rank_raises() -> None:
+    raise KeyError(f"bad rank {dist.get_rank()}")
+
+
+def _write_pid_then_hang(tmp_path: Path) -> None:
+    (tmp_path / f"pid{dist.get_rank()}").write_text(str(os.getpid()))
+    if dist.get_rank() == 0:
+        dist.barrier()  # rank 1 never joins
+    else:
+        time.sleep(1000)
+
+
+def _rank1_exits_3() -> None:
+    if dist.get_rank() == 1:
+        os._exit(3)
+
+
+def _segfault() -> None:
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def _large_result(nbytes: int) -> bytes:
+    return bytes([dist.get_rank()]) * nbytes
+
+
+def _return_lambda() -> object:
+    return lambda: None
+
+
+def _init_from_env() -> tuple[int, float]:
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo")  # env://, as under torchrun
+    try:
+        t = torch.tensor([1.0])
+        dist.all_reduce(t)
+        return dist.get_rank(), t.item()
+    finally:
+        dist.destroy_process_group()
+
+
+# --- tests ----------------------------------------------------------------------------------
+
+
+def _assert_dead(pids: list[int]) -> None:
+    for pid in pids:
+        assert not psutil.pid_exists(pid), f"worker pid {pid} survived"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_returns_values_by_rank(world_size: int) -> None:
+    results = run_distributed(_all_reduce_rank_plus_one, world_size, 2.0, offset=0.5, timeout=60)
+    expected = 2.0 * world_size * (world_size + 1) / 2 + 0.5 * world_size
+    assert results == [expected] * world_size
+
+
+def test_env_is_torchrun_like(monkeypatch: pytest.MonkeyPatch) -> None:
+    # set after the forkserver may have started: children still see the parent's current env
+    monkeypatch.setenv("MP_TEST_PARENT", "yes")
+    envs = run_distributed(_report_env, 2, env={"MP_TEST_EXTRA": "x"}, timeout=60)
+    ports = {e["MASTER_PORT"] for e in envs}
+    assert len(ports) == 1 and int(ports.pop()) > 0
+    for rank, e in enumerate(envs):
+        assert (e["RANK"], e["LOCAL_RANK"]) == (str(rank), str(rank))
+        assert (e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == ("2", "2")
+        assert e["MASTER_ADDR"] == "127.0.0.1"
+        assert (e["MP_TEST_EXTRA"], e["MP_TEST_PARENT"]) == ("x", "yes")
+        assert (e["threads"], e["initialized"]) == ("1", "True")
+
+
+def test_exception_on_one_rank_kills_blocked_peer() -> None:
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        run_distributed(_rank1_raises_while_rank0_waits, 2, timeout=60)
+    assert time.monotonic() - start < GRACE_PERIOD + 10
+    assert not isinstance(info.value, WorkerTimeout)
+    assert "rank 1" in str(info.value)
+    assert "ValueError: boom" in info.value.errors[1]
+    assert "ValueError" in str(info.value) and "boom" in str(info.value)
+    assert next(iter(info.value.errors)) == 1  # the root cause is reported first
+    _assert_dead(list(info.value.pids.values()))
+
+
+def test_exceptions_on_all_ranks_are_collected() -> None:
+    with pytest.raises(WorkerError) as info:
+        run_distributed(_every_rank_raises, 3, timeout=60)
+    assert sorted(info.value.errors) == [0, 1, 2]
+    for rank, text in info.value.errors.items():
+        assert f"KeyError: 'bad rank {rank}'" in text
+
+
+def test_hang_times_out_and_kills_workers(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeout) as info:
+        run_distributed(_write_pid_then_hang, 2, tmp_path, timeout=5)
+    elapsed = time.monotonic() - start
+    assert 5 <= elapsed < 10
+    assert info.value.unfinished == [0, 1]
+    assert "ranks [0, 1] of 2 did not finish within 5 s" in str(info.value)
+    # the Python stack of each hung rank, dumped by faulthandler before the kill
+    assert "in barrier" in info.value.errors[0]
+    assert "in _write_pid_then_hang" in info.value.errors[1]
+    pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in range(2)]
+    assert pids == [info.value.pids[0], info.value.pids[1]]
+    _assert_dead(pids)
+
+
+def test_exit_without_exception_is_reported() -> None:
+    with pytest.raises(WorkerError) as info:
+        run_distributed(_rank1_exits_3, 2, timeout=60)
+    assert "exit code 3" in info.value.errors[1]
+    assert "rank 1" in str(info.value) and "exit code 3" in str(info.value)
+
+
+def test_crash_is_reported_with_signal_and_stack() -> None:
+    with pytest.raises(WorkerError) as info:
+        run_distributed(_segfault, 1, timeout=60)
+    assert "killed by signal SIGSEGV" in info.value.errors[0]
+    assert "_segfault" in info.value.errors[0]  # faulthandler's Python stack
+
+
+def test_large_results_do_not_deadlock() -> None:
+    nbytes = 16 * 2**20  # far beyond a pipe's buffer
+    results = run_distributed(_large_result, 2, nbytes, timeout=60)
+    assert [r[:1] for r in results] == [b"\0", b"\1"] and {len(r) for r in results} == {nbytes}
+
+
+def test_unpicklable_result_is_an_error() -> None:
+    with pytest.raises(WorkerError, match=r"PicklingError|Can't pickle|cannot pickle"):
+        run_distributed(_return_lambda, 1, timeout=60)
+
+
+def test_init_process_group_false_uses_torchrun_env() -> None:
+    assert run_distributed(_init_from_env, 2, init_process_group=False, timeout=60) == [
+        (0, 2.0),
+        (1, 2.0),
+    ]
+
+
+def test_free_port() -> None:
+    port = free_port()
+    assert 0 < port < 65536
