@@ -320,6 +320,9 @@ def test_to_meta_is_refused():
     fm = wrapped(nn.Linear(2, 2))
     with pytest.raises(TorchShardError, match="meta"):
         fm.to("meta")
+    with pytest.raises(TorchShardError, match="meta"):
+        fm.to("meta", torch.float16)
+    assert fm.dtype == torch.float32
     fm.check_views()
 
 

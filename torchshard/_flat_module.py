@@ -94,7 +94,10 @@ class FlatParamModule(nn.Module):
 
         Real weights are copied in one parameter at a time and the old
         parameter is dropped right away, so its memory is released as the
-        copy proceeds (if nothing else holds it, e.g. an optimizer). Binding
+        copy proceeds (if nothing else holds it, e.g. an optimizer, and the
+        allocator returns it: on Linux glibc returns blocks over its mmap
+        threshold, at most 32 MiB; ``MALLOC_MMAP_THRESHOLD_=131072`` makes
+        that hold for smaller parameters too). Binding
         again to another buffer moves the model there; gradients come along.
         Module buffers move to ``flat``'s device (meta ones become zeros).
 
@@ -108,6 +111,13 @@ class FlatParamModule(nn.Module):
 
             fm.bind(torch.empty(fm.numel, dtype=fm.dtype, device="cuda"))
         """
+        return self._bind(flat, grad, copy=True)
+
+    def _bind(
+        self, flat: torch.Tensor, grad: torch.Tensor | None, *, copy: bool
+    ) -> FlatParamModule:
+        # copy=False: flat and grad already hold the values in this layout (a
+        # whole-buffer move by _apply); only the views are rebuilt.
         self._check_buffer("flat", flat)
         trains = any(s.requires_grad for s in self.layout)
         if grad is not None:
@@ -129,7 +139,7 @@ class FlatParamModule(nn.Module):
             for slot in self.layout:
                 old = owners.get(slot.name)
                 view = flat[slot.offset : slot.end].view(slot.shape)
-                if old.device.type != "meta":
+                if copy and old.device.type != "meta":
                     view.copy_(old)
                 new = nn.Parameter(view, requires_grad=slot.requires_grad)
                 new.__dict__.update(old.__dict__)  # user attributes set on the parameter
@@ -137,7 +147,8 @@ class FlatParamModule(nn.Module):
                     assert grad is not None
                     gview = grad[slot.offset : slot.end].view(slot.shape)
                     if old.grad is not None:
-                        gview.copy_(old.grad)
+                        if copy:
+                            gview.copy_(old.grad)
                         new.grad = gview
                     _install_grad_hooks(new, gview)
                 for name in slot.names:
@@ -253,6 +264,11 @@ class FlatParamModule(nn.Module):
         # Every conversion goes through _apply. Apply it to the whole buffer and
         # rebind, instead of letting nn.Module replace each parameter.
         probe = fn(torch.empty(0, dtype=self.dtype, device=self.device))
+        if probe.device.type == "meta":
+            raise TorchShardError(
+                "cannot move a FlatParamModule to the meta device; build the model on meta "
+                "and wrap it instead"
+            )
         if probe.dtype != self.dtype:
             if not (probe.dtype.is_floating_point or probe.dtype.is_complex):
                 raise TorchShardError(
@@ -262,16 +278,13 @@ class FlatParamModule(nn.Module):
                 self.module, dtype=probe.dtype, align_bytes=self.layout.align_bytes
             )
             self._flat = self._grad = None  # the old buffers no longer match the layout
-        if probe.device.type == "meta":
-            raise TorchShardError(
-                "cannot move a FlatParamModule to the meta device; build the model on meta "
-                "and wrap it instead"
-            )
-        if self._flat is not None and probe.device == self._flat.device:
-            new_flat = fn(self._flat)  # e.g. share_memory_(): in place, same object
+        if self._flat is not None:
+            # Same layout: move or convert the whole buffers at once (one copy,
+            # or none for in-place functions like share_memory_) and rebuild the views.
+            new_flat = fn(self._flat)
             new_grad = fn(self._grad) if self._grad is not None else None
             if new_flat is not self._flat or new_grad is not self._grad:
-                self.bind(new_flat, new_grad)
+                self._bind(new_flat, new_grad, copy=False)
         else:
             self.bind(torch.empty(self.numel, dtype=probe.dtype, device=probe.device))
         for m in self.module.modules():
