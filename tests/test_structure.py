@@ -17,8 +17,39 @@ ALLOWED = {
     "_flat_module": {"_errors", "_layout"},
     "_dist": {"_errors"},
     "_trainer": {"_buckets", "_dist", "_errors", "_flat_module", "_layout"},
+    "_reshard": {"_layout"},
+    "_safetensors": {"_errors"},
+    "_ckpt_format": {"_errors", "_layout", "_safetensors"},
+    "_ckpt_optim": {"_errors", "_flat_module", "_layout"},
+    "_ckpt_target": {"_errors", "_flat_module", "_trainer"},
+    "_ckpt_load": {
+        "_ckpt_format",
+        "_ckpt_optim",
+        "_ckpt_target",
+        "_dist",
+        "_errors",
+        "_flat_module",
+        "_layout",
+        "_reshard",
+        "_safetensors",
+        "_trainer",
+    },
+    "_checkpoint": {
+        "_ckpt_format",
+        "_ckpt_load",
+        "_ckpt_optim",
+        "_ckpt_target",
+        "_errors",
+        "_flat_module",
+        "_layout",
+        "_reshard",
+        "_safetensors",
+        "_trainer",
+    },
     "_cli": {"__init__", "_errors", "_layout"},
 }
+# The trainer side never reaches into checkpointing.
+CHECKPOINT = {m for m in ALLOWED if m.startswith("_ck") or m == "_checkpoint"}
 
 
 def internal_imports(path: Path) -> tuple[set[str], list[str]]:
@@ -40,6 +71,8 @@ def test_import_directions():
     for name, allowed in ALLOWED.items():
         found, _ = internal_imports(PACKAGE / f"{name}.py")
         assert found <= allowed, f"{name} imports {found - allowed}"
+    for name in ("_layout", "_flat_module", "_buckets", "_dist", "_trainer"):
+        assert not ALLOWED[name] & CHECKPOINT, name
 
 
 def test_library_neither_prints_nor_configures_logging():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BindError", "LayoutError", "RankMismatchError", "TorchShardError"]
+__all__ = ["BindError", "CheckpointError", "LayoutError", "RankMismatchError", "TorchShardError"]
 
 
 class TorchShardError(Exception):
@@ -21,4 +21,12 @@ class RankMismatchError(TorchShardError):
     """Ranks disagree: they built different models, or their weights drifted apart.
 
     Raised on every rank, so no rank is left waiting in a collective.
+    """
+
+
+class CheckpointError(TorchShardError):
+    """A checkpoint cannot be written or read: missing, corrupt, incompatible or unwritable.
+
+    The message names the file (and parameter) at fault. A load that raises
+    it has changed nothing.
     """

@@ -138,6 +138,11 @@ class DistributedTrainer:
             self.stats.buckets,
         )
 
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group the trainer communicates over (``None``: the default group)."""
+        return self._group
+
     # -- set-up ---------------------------------------------------------------------
     def _pick_device(self, fm: FlatParamModule, device: torch.device | str | None) -> torch.device:
         if device is not None:

@@ -1,0 +1,576 @@
+"""Sharded checkpoints: per-rank safetensors shards, written in the background, committed atomically.
+
+A save stages this rank's share (its run of whole parameters, its flat range
+of optimizer state) into host memory that is reused across saves, then a
+background thread writes and fsyncs the files into ``ROOT/.tmp-step-N``.
+Rank 0 waits until every rank's files are durable (through the process
+group's store, never a collective from the background thread), writes
+``metadata.json`` last, and renames the directory to ``ROOT/step-N``: the
+rename is the commit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import json
+import logging
+import os
+import shutil
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._ckpt_format import (
+    FORMAT_VERSION,
+    INDEX,
+    METADATA,
+    complete_checkpoints,
+    model_file,
+    optim_file,
+    step_dir,
+    tmp_dir,
+)
+from ._ckpt_load import load
+from ._ckpt_optim import OptimizerView
+from ._ckpt_target import CheckpointInfo, Target
+from ._errors import CheckpointError
+from ._flat_module import FlatParamModule
+from ._layout import dtype_name
+from ._reshard import element_ranges, weight_shards
+from ._safetensors import FileRecord, write_safetensors
+from ._trainer import DistributedTrainer
+
+__all__ = ["CheckpointFuture", "CheckpointInfo", "Checkpointer", "async_save", "load", "save"]
+
+logger = logging.getLogger(__name__)
+
+_SEQ = itertools.count()  # saves issued by this process: the same sequence on every rank
+
+
+class CheckpointFuture:
+    """A save in flight. ``wait()`` returns the committed directory or raises :class:`CheckpointError`."""
+
+    def __init__(self, future: concurrent.futures.Future[Path]) -> None:
+        self._future = future
+        self.observed = False
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """Block until this rank's part is durable and the checkpoint is committed."""
+        try:
+            result = self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise
+        except CheckpointError:
+            self.observed = True
+            raise
+        except BaseException as e:
+            self.observed = True
+            raise CheckpointError(f"checkpoint save failed: {type(e).__name__}: {e}") from e
+        self.observed = True
+        return result
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def exception(self) -> BaseException | None:
+        """The error of a finished save (``None`` if it succeeded); blocks until it finishes."""
+        self.observed = True
+        return self._future.exception()
+
+
+@dataclass
+class _Share:
+    """This rank's part of one save, staged in host memory."""
+
+    path: Path
+    step: int
+    weights: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    optim: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    optim_range: tuple[int, int] = (0, 0)
+    metadata: dict[str, Any] | None = None  # rank 0 only, without "files"
+
+
+class _Writer:
+    """Host staging memory reused across saves, one background thread, one save in flight."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torchshard-ckpt")
+        self._staging: dict[str, torch.Tensor] = {}
+        self._inflight: CheckpointFuture | None = None
+        self._staged = threading.Event()
+        self._staged.set()
+        self._fenced: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+    # -- staging ------------------------------------------------------------------------
+    def buffer(
+        self, key: str, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A host tensor for ``key``, grown on demand, never shrunk: memory stays bounded."""
+        nbytes = numel * dtype.itemsize
+        raw = self._staging.get(key)
+        if raw is None or raw.numel() < nbytes:
+            pin = device.type == "cuda"
+            raw = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+            self._staging[key] = raw
+        return raw[:nbytes].view(dtype)
+
+    def fence(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step()`` wait until a background staging copy is complete."""
+        if optimizer in self._fenced:
+            return
+        staged = self._staged
+
+        def wait_for_staging(*_: Any) -> None:
+            staged.wait()
+
+        optimizer.register_step_pre_hook(wait_for_staging)
+        self._fenced.add(optimizer)
+
+    # -- one save ----------------------------------------------------------------------------
+    def save(
+        self,
+        root: Path,
+        obj: DistributedTrainer | FlatParamModule,
+        step: int,
+        optimizer: torch.optim.Optimizer | None,
+        extra: dict[str, Any] | None,
+        keep_last: int | None,
+    ) -> CheckpointFuture:
+        previous = self._inflight
+        if previous is not None:
+            seen = previous.observed
+            try:
+                previous.wait()
+            except CheckpointError as e:
+                if not seen:  # an error nobody has seen yet must not pass silently
+                    raise CheckpointError(f"the previous checkpoint save failed: {e}") from e
+        if not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step: expected a non-negative integer, got {step!r}")
+        try:
+            extra_json = json.loads(json.dumps(extra or {}))
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"extra: expected a dict of JSON values ({e})") from e
+        target = Target(obj)
+        seq = next(_SEQ)
+        root = Path(root)
+        share, stage = self._plan(target, root, step, optimizer, extra_json)
+        cuda = target.device.type == "cuda"
+        if cuda:
+            stage()  # enqueued on a side stream; the optimizer's stream waits for it
+        elif optimizer is not None:
+            self._staged.clear()  # staged in the background; optimizer.step() waits
+            self.fence(optimizer)
+        else:
+            stage()  # nothing tells us when the weights change: copy now
+        background_stage = None if cuda or optimizer is None else stage
+        future = self._pool.submit(
+            self._write, target, share, root, seq, keep_last, background_stage
+        )
+        result = CheckpointFuture(future)
+        self._inflight = result
+        return result
+
+    def _plan(
+        self,
+        t: Target,
+        root: Path,
+        step: int,
+        optimizer: torch.optim.Optimizer | None,
+        extra: dict[str, Any],
+    ) -> tuple[_Share, Callable[[], None]]:
+        layout, fm = t.fm.layout, t.fm
+        flat = fm.flat_param
+        assert flat is not None
+        share = _Share(path=step_dir(root, step), step=step)
+        shards = weight_shards(layout, t.world)
+        lo, hi = shards[t.rank]
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host destination, source)
+        if hi > lo:
+            base, end = layout.slots[lo].offset, layout.slots[hi - 1].end
+            host = self.buffer("weights", end - base, fm.dtype, t.device)
+            copies.append((host, flat[base:end]))
+            for s in layout.slots[lo:hi]:
+                share.weights.append((s.name, host[s.offset - base : s.end - base].view(s.shape)))
+        buffers = t.buffers() if t.rank == 0 else {}
+        for name, b in buffers.items():
+            host = self.buffer(f"buffer:{name}", b.numel(), b.dtype, t.device).view(b.shape)
+            copies.append((host, b.detach()))
+            share.weights.append((name, host))
+
+        view = OptimizerView.of(optimizer, fm) if optimizer is not None else None
+        if view is not None and view.flat_keys:
+            align = layout.align_bytes // layout.torch_dtype.itemsize
+            s0, e0 = element_ranges(layout.numel, t.world, align)[t.rank]
+            share.optim_range = (s0, e0)
+            for key, dtype in view.flat_keys.items():
+                host = self.buffer(f"optim:{key}", e0 - s0, dtype, t.device)
+                pos = s0
+                for i, slot in enumerate(layout.slots):
+                    a, b = max(slot.offset, s0), min(slot.end, e0)
+                    if a >= b:
+                        continue
+                    if a > pos:
+                        copies.append((host[pos - s0 : a - s0], None))  # padding: zeros
+                    state = optimizer.state.get(view.params[i], {})  # type: ignore[union-attr]
+                    src = state.get(key)
+                    part = (
+                        None
+                        if src is None
+                        else src.detach().reshape(-1)[a - slot.offset : b - slot.offset]
+                    )
+                    copies.append((host[a - s0 : b - s0], part))
+                    pos = b
+                if pos < e0:
+                    copies.append((host[pos - s0 :], None))
+                share.optim.append((key, host))
+
+        if t.rank == 0:
+            names = [s.name for s in layout]
+            share.metadata = {
+                "format_version": FORMAT_VERSION,
+                "step": step,
+                "world_size": t.world,
+                "layout": layout.to_dict(),
+                "weights": {
+                    "shards": [
+                        {"file": model_file(r, t.world), "slots": [a, b]}
+                        for r, (a, b) in enumerate(shards)
+                        if b > a
+                    ],
+                    "buffers": {n: model_file(0, t.world) for n in buffers},
+                },
+                "optimizer": None,
+                "extra": extra,
+            }
+            if view is not None:
+                align = layout.align_bytes // layout.torch_dtype.itemsize
+                ranges = element_ranges(layout.numel, t.world, align)
+                share.metadata["optimizer"] = {
+                    "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+                    "param_groups": view.groups_json(names),
+                    "flat_state": {k: dtype_name(d) for k, d in view.flat_keys.items()},
+                    "scalar_state": view.scalars,
+                    "stateful": "".join(
+                        "1" if optimizer.state.get(p) else "0"  # type: ignore[union-attr]
+                        for p in view.params
+                    ),
+                    "files": [
+                        {"file": optim_file(r, t.world), "range": [a, b]}
+                        for r, (a, b) in enumerate(ranges)
+                        if b > a and view.flat_keys
+                    ],
+                }
+
+        def stage() -> None:
+            if t.device.type == "cuda":
+                side = torch.cuda.Stream(t.device)
+                side.wait_stream(torch.cuda.current_stream(t.device))
+                with torch.cuda.stream(side):
+                    for dst, src in copies:
+                        dst.zero_() if src is None else dst.copy_(src, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+                torch.cuda.current_stream(t.device).wait_event(done)  # updates wait on the GPU
+                share.cuda_done = done  # type: ignore[attr-defined]
+                return
+            with torch.no_grad():
+                for dst, src in copies:
+                    dst.zero_() if src is None else dst.copy_(src)
+
+        return share, stage
+
+    def _write(
+        self,
+        t: Target,
+        share: _Share,
+        root: Path,
+        seq: int,
+        keep_last: int | None,
+        background_stage: Callable[[], None] | None,
+    ) -> Path:
+        key = f"torchshard/ckpt/{seq}"
+        tmp = tmp_dir(root, share.step)
+        timeout = timedelta(seconds=self.timeout)
+        try:
+            if background_stage is not None:
+                try:
+                    background_stage()
+                finally:
+                    self._staged.set()
+            done = getattr(share, "cuda_done", None)
+            if done is not None:
+                done.synchronize()
+            if t.rank == 0:
+                _prepare(root, tmp, share.path)
+                if t.store is not None:
+                    t.store.set(f"{key}/prepared", "ok")
+            else:
+                t.store.wait([f"{key}/prepared"], timeout)
+                status = t.store.get(f"{key}/prepared").decode()
+                if status != "ok":
+                    raise CheckpointError(status)
+            records = _write_files(t, share, tmp)
+            if t.store is not None:
+                t.store.set(f"{key}/rank{t.rank}", json.dumps({"files": records}))
+        except BaseException as e:
+            if t.store is not None:
+                message = f"rank {t.rank}: {e}"
+                if t.rank == 0:
+                    t.store.set(f"{key}/prepared", message)
+                t.store.set(f"{key}/rank{t.rank}", json.dumps({"error": message}))
+                if t.rank == 0:
+                    t.store.set(f"{key}/commit", message)
+            if t.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise _as_checkpoint_error(e) from e
+
+        if t.rank != 0:
+            t.store.wait([f"{key}/commit"], timeout)
+            status = t.store.get(f"{key}/commit").decode()
+            if status != "ok":
+                raise CheckpointError(f"checkpoint {share.path} was not committed: {status}")
+            return share.path
+        try:
+            files = dict(records)
+            for r in range(1, t.world):
+                t.store.wait([f"{key}/rank{r}"], timeout)
+                reply = json.loads(t.store.get(f"{key}/rank{r}"))
+                if "error" in reply:
+                    raise CheckpointError(reply["error"])
+                files.update(reply["files"])
+            _commit(share, tmp, files)
+            if keep_last is not None:
+                _rotate(root, keep_last, keep=share.path)
+        except BaseException as e:
+            if t.store is not None:
+                t.store.set(f"{key}/commit", f"rank 0: {e}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _as_checkpoint_error(e) from e
+        if t.store is not None:
+            t.store.set(f"{key}/commit", "ok")
+        logger.info("checkpoint committed: %s", share.path)
+        return share.path
+
+    def close(self) -> None:
+        if self._inflight is not None:
+            try:
+                self._inflight.wait()
+            finally:
+                self._inflight = None
+        self._pool.shutdown(wait=True)
+        self._staging.clear()
+
+
+def _as_checkpoint_error(e: BaseException) -> CheckpointError:
+    if isinstance(e, CheckpointError):
+        return e
+    if isinstance(e, OSError):
+        where = f" {e.filename}" if e.filename else ""
+        return CheckpointError(
+            f"writing the checkpoint failed:{where}: {e.strerror or e}; the previous checkpoint is intact"
+        )
+    return CheckpointError(f"writing the checkpoint failed: {type(e).__name__}: {e}")
+
+
+def _prepare(root: Path, tmp: Path, final: Path) -> None:
+    if final.exists():
+        raise CheckpointError(
+            f"{final}: a checkpoint for this step already exists; save under a new step or delete it"
+        )
+    root.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():  # left by a save that crashed
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+
+
+def _write_files(t: Target, share: _Share, tmp: Path) -> dict[str, dict[str, Any]]:
+    records: dict[str, FileRecord] = {}
+    if share.weights:
+        name = model_file(t.rank, t.world)
+        records[name] = write_safetensors(tmp / name, share.weights)
+    if share.optim:
+        s, e = share.optim_range
+        if e > s:
+            name = optim_file(t.rank, t.world)
+            meta = {"range": f"{s},{e}"}
+            records[name] = write_safetensors(tmp / name, share.optim, meta)
+    return {k: v.to_dict() for k, v in records.items()}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _commit(share: _Share, tmp: Path, files: dict[str, dict[str, Any]]) -> None:
+    meta = share.metadata
+    assert meta is not None
+    weight_map, total = {}, 0
+    for shard in meta["weights"]["shards"]:
+        lo, hi = shard["slots"]
+        for s in meta["layout"]["slots"][lo:hi]:
+            weight_map[s[0]] = shard["file"]
+            total += s[3]
+    total *= torch.empty((), dtype=getattr(torch, meta["layout"]["dtype"])).element_size()
+    weight_map.update(meta["weights"]["buffers"])
+    _write_json(tmp / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    _write_json(tmp / METADATA, {**meta, "files": files})  # last: its presence means complete
+    _fsync_dir(tmp)
+    os.rename(tmp, share.path)
+    _fsync_dir(share.path.parent)
+
+
+def _rotate(root: Path, keep_last: int, keep: Path) -> None:
+    done = complete_checkpoints(root)
+    for _, path in done[: max(0, len(done) - keep_last)]:
+        if path != keep:
+            shutil.rmtree(path, ignore_errors=True)
+            logger.info("checkpoint rotated out: %s", path)
+
+
+# -- public API -----------------------------------------------------------------------------------
+_default_writer: _Writer | None = None
+
+
+def _writer() -> _Writer:
+    global _default_writer
+    if _default_writer is None:
+        _default_writer = _Writer(timeout=600.0)
+    return _default_writer
+
+
+def async_save(
+    root: str | os.PathLike[str],
+    trainer: DistributedTrainer | FlatParamModule,
+    *,
+    step: int,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+) -> CheckpointFuture:
+    """Start saving a checkpoint of ``trainer`` (and ``optimizer``) as ``root/step-N``; return at once.
+
+    Every rank calls it at the same step. This rank's share is copied into
+    reused host memory (in the background when ``optimizer`` is given:
+    ``optimizer.step()`` waits for that copy; without it, before returning),
+    then written, fsynced and committed by a background thread. One save is
+    in flight at a time: the next call waits for this one, and raises if it
+    failed unobserved.
+
+    Example::
+
+        future = torchshard.checkpoint.async_save("ckpt", trainer, step=step, optimizer=opt)
+        ...                       # keep training
+        future.wait()             # the checkpoint is committed
+    """
+    return _writer().save(Path(root), trainer, step, optimizer, extra, keep_last=None)
+
+
+def save(
+    root: str | os.PathLike[str],
+    trainer: DistributedTrainer | FlatParamModule,
+    *,
+    step: int,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Save a checkpoint and wait until it is committed; returns its directory.
+
+    Example::
+
+        path = torchshard.checkpoint.save("ckpt", trainer, step=100, optimizer=opt)
+    """
+    return async_save(root, trainer, step=step, optimizer=optimizer, extra=extra).wait()
+
+
+class Checkpointer:
+    """Saves under one root, one save in flight, keeping the ``keep_last`` newest checkpoints.
+
+    Old checkpoints are deleted only after a new one is committed, so the
+    newest complete checkpoint always survives.
+
+    Example::
+
+        ckpt = torchshard.checkpoint.Checkpointer("runs/gpt", keep_last=2)
+        if ckpt.latest() is not None:
+            start = ckpt.load(trainer, optimizer=opt).step
+        for step in range(start, steps):
+            ...
+            if step % 100 == 0:
+                ckpt.save(trainer, step=step, optimizer=opt)   # returns at once
+        ckpt.close()                                            # waits for the last save
+    """
+
+    def __init__(
+        self, root: str | os.PathLike[str], *, keep_last: int | None = 3, timeout: float = 600.0
+    ) -> None:
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise CheckpointError(
+                f"keep_last: expected a positive integer or None, got {keep_last!r}"
+            )
+        if not timeout > 0:
+            raise CheckpointError(
+                f"timeout: expected a positive number of seconds, got {timeout!r}"
+            )
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self._writer = _Writer(timeout)
+
+    def save(
+        self,
+        trainer: DistributedTrainer | FlatParamModule,
+        *,
+        step: int,
+        optimizer: torch.optim.Optimizer | None = None,
+        extra: dict[str, Any] | None = None,
+        blocking: bool = False,
+    ) -> CheckpointFuture:
+        """Start a save (see :func:`async_save`); with ``blocking=True`` also wait for the commit."""
+        future = self._writer.save(self.root, trainer, step, optimizer, extra, self.keep_last)
+        if blocking:
+            future.wait()
+        return future
+
+    def load(
+        self,
+        trainer: DistributedTrainer | FlatParamModule,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        path: str | os.PathLike[str] | None = None,
+    ) -> CheckpointInfo:
+        """Load ``path`` or the latest complete checkpoint (see :func:`load`)."""
+        if self._writer._inflight is not None:
+            self._writer._inflight.wait()
+        return load(self.root if path is None else path, trainer, optimizer=optimizer)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint under the root, or ``None``."""
+        found = complete_checkpoints(self.root)
+        return found[-1][1] if found else None
+
+    def close(self) -> None:
+        """Wait for the save in flight and release the staging memory."""
+        self._writer.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

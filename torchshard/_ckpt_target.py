@@ -1,0 +1,59 @@
+"""What a checkpoint save or load acts on, and what a load returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._errors import CheckpointError
+from ._flat_module import FlatParamModule
+from ._trainer import DistributedTrainer
+
+__all__ = ["CheckpointInfo", "Target"]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What :func:`load` restored: the ``step``, the user's ``extra`` dict, the directory."""
+
+    step: int
+    extra: dict[str, Any]
+    path: Path
+    bytes_read: int = 0
+    """Bytes this rank read from the checkpoint's files."""
+
+
+class Target:
+    """What a save or load acts on: a flat module, and the group of ranks holding it."""
+
+    def __init__(self, obj: DistributedTrainer | FlatParamModule) -> None:
+        if isinstance(obj, DistributedTrainer):
+            self.fm, self.group = obj.module, obj.process_group
+            self.rank, self.world, self.device = obj.rank, obj.world_size, obj.device
+        elif isinstance(obj, FlatParamModule):
+            self.fm, self.group, self.rank, self.world = obj, None, 0, 1
+            self.device = obj.device
+        else:
+            raise CheckpointError(
+                f"trainer: expected a DistributedTrainer or a FlatParamModule, got {type(obj).__name__}"
+            )
+        if not self.fm.is_bound:
+            raise CheckpointError("trainer: the FlatParamModule is not bound to a buffer yet")
+        self.store = None
+        if self.world > 1:
+            store = dist.distributed_c10d._get_default_store()
+            clone = getattr(store, "clone", None)
+            self.store = clone() if clone is not None else store  # its own connection
+
+    def global_rank(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Persistent module buffers by state-dict name (parameters excluded)."""
+        names = {n for s in self.fm.layout for n in s.names}
+        sd = self.fm.module.state_dict(keep_vars=True)
+        return {k: v for k, v in sd.items() if k not in names and isinstance(v, torch.Tensor)}
