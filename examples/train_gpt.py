@@ -9,6 +9,9 @@ every CPython install), modelled byte by byte. Nothing is downloaded.
     # a world of one, no launcher
     python examples/train_gpt.py --steps 50
 
+    # stop, then continue from the latest checkpoint at another world size
+    torchrun --standalone --nproc-per-node 3 examples/train_gpt.py --resume
+
     # two machines (run on each, with its own --node-rank)
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 \
         --rdzv-backend c10d --rdzv-endpoint HOST0:29500 examples/train_gpt.py
@@ -24,8 +27,10 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import sys
 import time
+from pathlib import Path
 from pydoc_data.topics import topics
 
 import torch
@@ -35,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig, init_gpt_weights
 
 import torchshard
+import torchshard.checkpoint
 
 log = logging.getLogger("train_gpt")
 
@@ -54,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size (MiB)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt-dir", default="runs/train_gpt", help="checkpoint root ('' to disable)")
+    p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
+    p.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument(
         "--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)"
     )
@@ -65,6 +75,13 @@ def load_corpus() -> tuple[torch.Tensor, torch.Tensor]:
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
     n = int(0.9 * len(data))
     return data[:n], data[n:]
+
+
+def batch_generator(seed: int, rank: int, step: int, micro: int) -> torch.Generator:
+    """Data depends only on (seed, rank, step, micro): a resumed run sees what it would have."""
+    return torch.Generator().manual_seed(
+        ((seed * 1_000_003 + rank) * 1_000_003 + step) * 64 + micro
+    )
 
 
 def get_batch(data: torch.Tensor, batch: int, block: int, gen: torch.Generator, device):
@@ -85,7 +102,9 @@ def main(argv: list[str] | None = None) -> float:
     overrides = {k: v for k, v in dict(n_layer=args.n_layer, n_embd=args.n_embd).items() if v}
     base = GPTConfig.preset(args.preset)
     # bytes are the tokens: vocab_size 256 whatever the preset says
-    cfg = GPTConfig(**{**base.__dict__, **overrides, "block_size": args.block_size, "vocab_size": 256})
+    cfg = GPTConfig(
+        **{**base.__dict__, **overrides, "block_size": args.block_size, "vocab_size": 256}
+    )
     # Build without storage; the trainer allocates one flat buffer on the device,
     # and every rank starts from rank 0's weights.
     torch.manual_seed(args.seed)
@@ -97,7 +116,35 @@ def main(argv: list[str] | None = None) -> float:
     )
     opt = torch.optim.AdamW(fm.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     train, val = load_corpus()
-    gen = torch.Generator().manual_seed(args.seed * 1000 + info.rank)  # different data per rank
+    ckpt = (
+        torchshard.checkpoint.Checkpointer(args.ckpt_dir, keep_last=args.keep_last)
+        if args.ckpt_dir
+        else None
+    )
+    start = 0
+    if ckpt is not None and not args.resume and ckpt.latest() is not None:
+        # The example owns its checkpoint directory: a fresh run replaces the old one.
+        log.info(
+            "starting from scratch: removing %s's old checkpoints (--resume continues them)",
+            args.ckpt_dir,
+        )
+        dist.barrier()  # every rank has looked before rank 0 deletes
+        if info.rank == 0:
+            for old in Path(args.ckpt_dir).glob("step-*"):
+                shutil.rmtree(old)
+        dist.barrier()
+    if args.resume:
+        if ckpt is None or ckpt.latest() is None:
+            log.info("--resume: no checkpoint under %r, starting from scratch", args.ckpt_dir)
+        else:
+            resumed = ckpt.load(trainer, optimizer=opt)
+            start = resumed.step
+            log.info(
+                "resumed from %s (saved at world size %d, loss %.4f)",
+                resumed.path,
+                resumed.extra["world_size"],
+                resumed.extra["loss"],
+            )
     log.info(
         "world %d on %s: %.2fM parameters, corpus %d bytes, %d buckets",
         info.world_size,
@@ -108,14 +155,16 @@ def main(argv: list[str] | None = None) -> float:
     )
 
     tokens_per_step = args.batch_size * args.block_size * args.grad_accum * info.world_size
-    t_last, wait_last, loss_sum, first_loss = time.perf_counter(), 0.0, 0.0, None
-    for step in range(1, args.steps + 1):
+    t_last, wait_last, loss_sum, n_logged, first_loss = time.perf_counter(), 0.0, 0.0, 0, None
+    mean_loss = float("nan")
+    for step in range(start + 1, args.steps + 1):
         lr = args.lr * min(1.0, step / args.warmup)
         lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in opt.param_groups:
             group["lr"] = lr
         opt.zero_grad()
         for micro in range(args.grad_accum):
+            gen = batch_generator(args.seed, info.rank, step, micro)  # different data per rank
             x, y = get_batch(train, args.batch_size, args.block_size, gen, info.device)
             sync_later = micro < args.grad_accum - 1
             with trainer.no_sync() if sync_later else contextlib.nullcontext():
@@ -125,16 +174,15 @@ def main(argv: list[str] | None = None) -> float:
         trainer.average_gradients()
         trainer.clip_grad_norm_(args.max_grad_norm)
         opt.step()
+        n_logged += 1
 
         if step % args.log_every == 0 or step == args.steps:
-            mean_loss = torch.tensor(
-                [loss_sum / ((step - 1) % args.log_every + 1)], device=info.device
-            )
-            dist.all_reduce(mean_loss)
-            mean_loss = mean_loss.item() / info.world_size
+            mean = torch.tensor([loss_sum / n_logged], device=info.device)
+            dist.all_reduce(mean)
+            mean_loss = mean.item() / info.world_size
             first_loss = first_loss or mean_loss
             now, wait = time.perf_counter(), trainer.stats.wait_seconds
-            steps_done = (step - 1) % args.log_every + 1
+            steps_done, n_logged = n_logged, 0
             log.info(
                 "step %4d  loss %.4f  lr %.2e  %6.0f tok/s  comm wait %.1f ms/step",
                 step,
@@ -144,9 +192,21 @@ def main(argv: list[str] | None = None) -> float:
                 1000 * (wait - wait_last) / steps_done,
             )
             t_last, wait_last, loss_sum = now, wait, 0.0
+        if ckpt is not None and (step % args.save_every == 0 or step == args.steps):
+            # Returns at once; the weights are staged in the background and written
+            # while training goes on (opt.step() waits for the staging copy).
+            extra = {"world_size": info.world_size, "loss": mean_loss}
+            ckpt.save(trainer, step=step, optimizer=opt, extra=extra)
 
+    if ckpt is not None:
+        ckpt.close()  # waits for the last save to be committed
+        log.info(
+            "checkpoints: %s", ", ".join(p.name for p in sorted(Path(args.ckpt_dir).glob("step-*")))
+        )
     val_loss = evaluate(fm, val, args, info.device)
-    log.info("done: first logged loss %.4f, validation loss %.4f", first_loss, val_loss)
+    log.info(
+        "done: first logged loss %.4f, validation loss %.4f", first_loss or float("nan"), val_loss
+    )
     trainer.close()
     return val_loss
 

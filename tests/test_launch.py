@@ -15,23 +15,17 @@ import torchshard
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "train_gpt.py")
-# Small enough for a test, big enough to see the loss fall.
-SMALL = [
-    "--preset",
-    "tiny",
-    "--block-size",
-    "16",
-    "--batch-size",
-    "8",
-    "--steps",
-    "30",
-    "--log-every",
-    "10",
-    "--lr",
-    "1e-2",
-    "--threads",
-    "1",
-]
+
+
+def small(steps: int = 30, log_every: int = 10) -> list[str]:
+    """Small enough for a test, big enough to see the loss fall."""
+    return [
+        *("--preset", "tiny", "--block-size", "16", "--batch-size", "8", "--lr", "1e-2"),
+        *("--threads", "1", "--steps", str(steps), "--log-every", str(log_every)),
+    ]
+
+
+SMALL = small()
 
 
 def clean_env() -> dict[str, str]:
@@ -73,14 +67,14 @@ def torchrun(*args: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_torchrun_standalone_two_processes():
-    cmd = torchrun("--standalone", "--nproc-per-node", "2", EXAMPLE, *SMALL)
+def test_torchrun_standalone_two_processes(tmp_path):
+    cmd = torchrun("--standalone", "--nproc-per-node", "2", EXAMPLE, *SMALL, "--ckpt-dir", "")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
     check_run(out, world=2)
 
 
 @pytest.mark.slow
-def test_two_torchrun_nodes_over_loopback():
+def test_two_torchrun_nodes_over_loopback(tmp_path):
     port = free_port()
     procs = []
     for node in (0, 1):
@@ -101,6 +95,8 @@ def test_two_torchrun_nodes_over_loopback():
             f"is_host={node == 0}".lower(),
             EXAMPLE,
             *SMALL,
+            "--ckpt-dir",
+            str(tmp_path / "ckpt"),
         )
         procs.append(
             subprocess.Popen(
@@ -118,10 +114,27 @@ def test_two_torchrun_nodes_over_loopback():
 
 
 @pytest.mark.slow
-def test_without_a_launcher_it_is_a_world_of_one():
-    cmd = [sys.executable, EXAMPLE, *SMALL]
+def test_without_a_launcher_it_is_a_world_of_one(tmp_path):
+    cmd = [sys.executable, EXAMPLE, *SMALL, "--ckpt-dir", str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
     check_run(out, world=1)
+
+
+@pytest.mark.slow
+def test_example_stops_and_resumes_at_another_world_size(tmp_path):
+    ckpt = ["--ckpt-dir", str(tmp_path), "--save-every", "10"]
+    first = torchrun("--standalone", "--nproc-per-node", "2", EXAMPLE, *SMALL, *ckpt)
+    out = subprocess.run(first, capture_output=True, text=True, timeout=240, env=clean_env())
+    check_run(out, world=2)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000020", "step-00000030"]
+    longer = small(steps=40, log_every=5)
+    again = torchrun("--standalone", "--nproc-per-node", "3", EXAMPLE, *longer, *ckpt, "--resume")
+    out = subprocess.run(again, capture_output=True, text=True, timeout=240, env=clean_env())
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "resumed from" in text and "step-00000030 (saved at world size 2" in text, text
+    steps = [int(line.split()[1]) for line in text.splitlines() if line.startswith("step ")]
+    assert steps == [35, 40], text
 
 
 def _init_from_torchrun_env() -> dict:
