@@ -5,6 +5,7 @@ Pure arithmetic on a :class:`FlatLayout`; no tensors, no process group.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from ._layout import FlatLayout
@@ -31,14 +32,18 @@ class Bucket:
         return self.end - self.start
 
 
-def plan_buckets(layout: FlatLayout, bucket_bytes: float) -> tuple[Bucket, ...]:
+def plan_buckets(
+    layout: FlatLayout, bucket_bytes: float, *, total: int | None = None, cuts: tuple[int, ...] = ()
+) -> tuple[Bucket, ...]:
     """Cut the flat gradient into buckets of about ``bucket_bytes``, on parameter boundaries.
 
     Buckets are numbered in reverse layout order, the order in which backward
     produces gradients (the last layers first), like DDP's. Together they tile
-    ``[0, layout.numel)`` exactly, padding included, so reducing every bucket
-    reduces the whole buffer. A parameter larger than ``bucket_bytes`` gets a
-    bucket of its own.
+    ``[0, total)`` exactly (default ``layout.numel``), padding included, so
+    reducing every bucket reduces the whole buffer. A parameter larger than
+    ``bucket_bytes`` gets a bucket of its own. ``cuts`` are extra boundaries
+    (the sharded trainer's slice starts): a bucket never spans one, so a
+    parameter that straddles a cut belongs to the buckets on both sides.
 
     Example::
 
@@ -47,6 +52,9 @@ def plan_buckets(layout: FlatLayout, bucket_bytes: float) -> tuple[Bucket, ...]:
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes: expected a positive size, got {bucket_bytes}")
+    total = layout.numel if total is None else total
+    if total < layout.numel:
+        raise ValueError(f"total: expected at least layout.numel ({layout.numel}), got {total}")
     itemsize = layout.torch_dtype.itemsize
     groups: list[list[int]] = []
     size = 0
@@ -58,11 +66,12 @@ def plan_buckets(layout: FlatLayout, bucket_bytes: float) -> tuple[Bucket, ...]:
         else:
             groups.append([i])
             size = nbytes
-    buckets, end = [], layout.numel
-    for index, group in enumerate(groups):
-        start = 0 if index == len(groups) - 1 else layout.slots[group[-1]].offset
-        slots = tuple(sorted(group))
+    bounds = {0, total, *(c for c in cuts if 0 < c < total)}
+    bounds |= {layout.slots[g[-1]].offset for g in groups[:-1]}
+    edges = sorted(bounds, reverse=True)
+    buckets = []
+    for end, start in itertools.pairwise(edges):
+        slots = tuple(i for i, s in enumerate(layout.slots) if s.offset < end and s.end > start)
         trainable = sum(layout.slots[i].requires_grad for i in slots)
-        buckets.append(Bucket(index, start, end, slots, trainable))
-        end = start
+        buckets.append(Bucket(len(buckets), start, end, slots, trainable))
     return tuple(buckets)

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from ._dist import destroy_owned_group, exchange_bytes, init_distributed
 from ._errors import RankMismatchError, TorchShardError
 from ._flat_module import FlatParamModule
 from ._layout import FlatLayout
+from ._reshard import element_ranges
 
 __all__ = ["CommStats", "DistributedTrainer"]
 
@@ -66,6 +68,13 @@ class DistributedTrainer:
         src: the rank whose weights everyone starts from.
         init_fn: how to initialize a meta-built model, as in
             :meth:`FlatParamModule.init_weights` (default: ``reset_parameters()``).
+        shard: FSDP-lite: each rank owns one contiguous, equal slice of the
+            (padded) flat buffer; gradients are reduced to the slice's owner
+            bucket by bucket during backward, the optimizer built by
+            :meth:`make_optimizer` keeps state for the rank's slice only, and
+            :meth:`step` all-gathers the updated slices.
+        master_dtype: sharded mode with a lower-precision flat buffer (e.g.
+            bf16): the optimizer updates a copy of the rank's slice in this dtype.
 
     Example::
 
@@ -90,6 +99,8 @@ class DistributedTrainer:
         bucket_mb: float = 25,
         src: int = 0,
         init_fn: Callable[[torch.nn.Module], None] | None = None,
+        shard: bool = False,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         if not isinstance(fm, FlatParamModule):
             raise TorchShardError(
@@ -107,18 +118,38 @@ class DistributedTrainer:
             raise TorchShardError(f"src: expected a rank in [0, {self.world_size}), got {src}")
         self.module = fm
         self.device = self._pick_device(fm, device)
+        self.shard = bool(shard)
+        layout = fm.layout
+        align = layout.align_bytes // layout.torch_dtype.itemsize
+        # Sharded: pad so that every rank owns an equal slice (one all-gather).
+        unit = align * (self.world_size if shard else 1)
+        self.padded_numel = -(-layout.numel // unit) * unit
         self._bind(fm, init_fn)
         self._flat = fm.flat_param
         self._closed = False
         self._check_same_model(src)
         self.broadcast(src)
 
-        layout = fm.layout
-        self._buckets: tuple[Bucket, ...] = plan_buckets(layout, bucket_mb * 2**20)
-        self._slot_bucket = [0] * len(layout)
+        self._slices = element_ranges(self.padded_numel, self.world_size, align)
+        cuts = tuple(a for a, _ in self._slices) if shard else ()
+        self._buckets: tuple[Bucket, ...] = plan_buckets(
+            layout, bucket_mb * 2**20, total=self.padded_numel, cuts=cuts
+        )
+        slice_size = self._slices[0][1] - self._slices[0][0]
+        self._owner = [b.start // slice_size if shard else -1 for b in self._buckets]
+        self._slot_buckets: list[list[int]] = [[] for _ in layout.slots]
         for b in self._buckets:
             for i in b.slots:
-                self._slot_bucket[i] = b.index
+                self._slot_buckets[i].append(b.index)
+        self._master: torch.Tensor | None = None
+        self._master_grad: torch.Tensor | None = None
+        if shard and fm.dtype != master_dtype:
+            s0, e0 = self._slices[self.rank]
+            self._master = self._flat[s0:e0].to(master_dtype, copy=True)
+            self._master_grad = torch.zeros_like(self._master)
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._pieces: list[tuple[int, int, int, torch.nn.Parameter]] = []
+        self._averaged = False
         self._params = [p for _, p in fm.named_flat_views()]
         self._trainable = [i for i, s in enumerate(layout.slots) if s.requires_grad]
         self._hooks = [
@@ -154,13 +185,22 @@ class DistributedTrainer:
         return torch.device("cpu")
 
     def _bind(self, fm: FlatParamModule, init_fn: Callable[[torch.nn.Module], None] | None) -> None:
+        n = self.padded_numel
         if fm.is_bound:
             if fm.device != self.device:
                 fm.to(self.device)
+            flat, grad = fm.flat_param, fm.flat_grad
+            assert flat is not None
+            if flat.numel() >= n and (grad is None or grad.numel() >= n):
+                return
+            # Too small for the padded slices: move into buffers that are not.
+            big = flat if flat.numel() >= n else torch.zeros(n, dtype=fm.dtype, device=self.device)
+            fm.bind(big, torch.zeros(n, dtype=fm.dtype, device=self.device))
             return
         was_meta = any(p.is_meta for p in fm.module.parameters())
-        flat = torch.empty(fm.numel, dtype=fm.dtype, device=self.device)
-        grad = torch.zeros(fm.numel, dtype=fm.dtype, device=self.device)
+        flat = torch.empty(n, dtype=fm.dtype, device=self.device)
+        flat[fm.numel :].zero_()  # padding: all-gathered and checkpointed, so defined
+        grad = torch.zeros(n, dtype=fm.dtype, device=self.device)
         fm.bind(flat, grad)
         if was_meta:
             fm.init_weights(init_fn)
@@ -203,6 +243,7 @@ class DistributedTrainer:
         self._launched_in_backward = 0
 
     def _on_grad_ready(self, i: int) -> None:
+        self._averaged = False
         if not self._sync:
             return
         if self._ready[i]:
@@ -213,14 +254,13 @@ class DistributedTrainer:
                 "inside `with trainer.no_sync():`"
             )
         self._ready[i] = True
-        b = self._slot_bucket[i]
-        self._pending[b] -= 1
-        if self._pending[b] == 0:
-            # Launch in bucket order only: a collective issued out of order
-            # on one rank deadlocks (NCCL) or mixes up buckets (gloo).
-            while self._next < len(self._buckets) and self._pending[self._next] == 0:
-                self._launch(self._buckets[self._next], in_backward=True)
-                self._next += 1
+        for b in self._slot_buckets[i]:
+            self._pending[b] -= 1
+        # Launch in bucket order only: a collective issued out of order on one
+        # rank deadlocks (NCCL) or mixes up buckets (gloo).
+        while self._next < len(self._buckets) and self._pending[self._next] == 0:
+            self._launch(self._buckets[self._next], in_backward=True)
+            self._next += 1
 
     def _launch(self, bucket: Bucket, *, in_backward: bool) -> None:
         if bucket.trainable == 0:
@@ -235,45 +275,66 @@ class DistributedTrainer:
                     grad[s.offset : s.end].zero_()
         if self.world_size > 1:
             view = grad[bucket.start : bucket.end]
-            self._works.append(dist.all_reduce(view, group=self._group, async_op=True))
+            if self.shard:  # the bucket lies in one rank's slice: reduce it to that rank
+                dst = self._global(self._owner[bucket.index])
+                work = dist.reduce(view, dst, group=self._group, async_op=True)
+            else:
+                work = dist.all_reduce(view, group=self._group, async_op=True)
+            self._works.append(work)
         self._launched_in_backward += in_backward
 
+    def _global(self, rank: int) -> int:
+        return rank if self._group is None else dist.get_global_rank(self._group, rank)
+
     def average_gradients(self) -> None:
-        """Finish the gradient all-reduce: afterwards every rank's flat gradient is the mean.
+        """Finish the gradient reduction: afterwards the flat gradient holds the mean over ranks.
 
         Call it after ``loss.backward()`` (and after the last backward of an
         accumulation done inside :meth:`no_sync`). A parameter used on some
         ranks gets the mean over all ranks, zeros counting for ranks that did
-        not use it; a parameter no rank used keeps ``.grad is None``.
+        not use it; a parameter no rank used keeps ``.grad is None``. In
+        sharded mode only the rank's own slice holds the mean (the rest of
+        ``fm.flat_grad`` is undefined); :meth:`step` calls this for you.
         """
         self._check_open()
         while self._next < len(self._buckets):
             self._launch(self._buckets[self._next], in_backward=False)
             self._next += 1
+        used = [self._params[i].grad is not None for i in self._trainable]
         if self.world_size > 1:
             # Which parameters have a gradient anywhere: one small all-reduce,
             # always issued last so the order is the same on every rank.
-            used = torch.tensor(
-                [self._params[i].grad is not None for i in self._trainable],
-                dtype=torch.int32,
-                device=self.device,
-            )
-            self._works.append(dist.all_reduce(used, group=self._group, async_op=True))
+            mask = torch.tensor(used, dtype=torch.int32, device=self.device)
+            self._works.append(dist.all_reduce(mask, group=self._group, async_op=True))
             t0 = time.perf_counter()
             for work in self._works:
                 work.wait()
             self.stats.wait_seconds += time.perf_counter() - t0
-            grad = self.module.flat_grad
-            assert grad is not None
+            used = [bool(n) for n in mask.tolist()]
+        grad = self.module.flat_grad
+        assert grad is not None
+        if self.shard:
+            s0, e0 = self._slices[self.rank]
+            mine = grad[s0:e0]
+            if self._master_grad is not None:
+                self._master_grad.copy_(mine)  # averaged in the master dtype
+                mine = self._master_grad
+            if self.world_size > 1:
+                mine.div_(self.world_size)
+        elif self.world_size > 1:
             grad.div_(self.world_size)
-            for i, n in zip(self._trainable, used.tolist()):
-                p = self._params[i]
-                if n and p.grad is None:
-                    s = self.module.layout.slots[i]
-                    p.grad = grad[s.offset : s.end].view(s.shape)
+        globally_used = dict(zip(self._trainable, used))
+        for i in self._trainable:
+            p = self._params[i]
+            if globally_used[i] and p.grad is None:
+                s = self.module.layout.slots[i]
+                p.grad = grad[s.offset : s.end].view(s.shape)
+        for i, a, b, piece in self._pieces:
+            piece.grad = self._slice_view(self._grad_slice(), a, b) if globally_used[i] else None
         self._works.clear()
         self.stats.steps += 1
         self.stats.launched_during_backward = self._launched_in_backward
+        self._averaged = True
         self._reset_step()
 
     @contextlib.contextmanager
@@ -335,24 +396,203 @@ class DistributedTrainer:
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
-        """Clip the flat gradient to a total norm of ``max_norm``; returns the norm before.
+        """Clip the averaged gradient to a total norm of ``max_norm``; returns the norm before.
 
-        One norm over the whole (averaged) flat gradient, as
-        ``torch.nn.utils.clip_grad_norm_`` computes over all parameters.
-        Call it after :meth:`average_gradients`.
+        One norm over all parameters, as ``torch.nn.utils.clip_grad_norm_``
+        computes it; in sharded mode the global norm over every rank's slice.
+        Averages the gradients first if that has not happened since backward.
         """
         self._check_open()
-        grad = self.module.flat_grad
+        if not self._averaged:
+            self.average_gradients()
+        grad = self._grad_slice() if self.shard else self.module.flat_grad
         if grad is None:
             return torch.zeros((), device=self.device)
-        total = torch.linalg.vector_norm(grad, norm_type)
+        norm_type = float(norm_type)
+        low = grad.dtype in (torch.bfloat16, torch.float16)  # accumulate those in fp32
+        local = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32 if low else None)
+        if self.shard and self.world_size > 1:
+            if norm_type == float("inf"):
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._group)
+                total = local
+            else:
+                power = local.pow(norm_type)
+                dist.all_reduce(power, group=self._group)
+                total = power.pow(1.0 / norm_type)
+        else:
+            total = local
         if error_if_nonfinite and not torch.isfinite(total):
             raise TorchShardError(
                 f"the total gradient norm is {total.item()}; set error_if_nonfinite=False to clip anyway"
             )
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        grad.mul_(coef)
+        grad.mul_(coef.to(grad.dtype))
         return total
+
+    # -- optimizer (both modes; required in sharded mode) ------------------------------------
+    def make_optimizer(
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        groups: list[tuple[Callable[[str], bool], dict[str, Any]]] | None = None,
+        **defaults: Any,
+    ) -> torch.optim.Optimizer:
+        """Build an elementwise optimizer over what this rank updates.
+
+        Replicated: every trainable parameter. Sharded: the pieces of the
+        rank's slice (a parameter that straddles two slices is updated in two
+        pieces, by two ranks). ``groups`` puts parameters into param groups
+        by name: the first predicate that matches a parameter's name picks the
+        group's overrides; the rest go to a default group (group 0).
+
+        Example::
+
+            no_decay = lambda name: name.endswith("bias") or ".ln" in name
+            opt = trainer.make_optimizer(
+                torch.optim.AdamW, lr=3e-4, weight_decay=0.1,
+                groups=[(no_decay, {"weight_decay": 0.0})],
+            )
+            for x, y in data:
+                trainer.zero_grad()
+                loss_fn(fm(x), y).backward()
+                trainer.step()
+        """
+        self._check_open()
+        if self._optimizer is not None:
+            raise TorchShardError("make_optimizer: this trainer already has an optimizer")
+        rules = list(groups or [])
+        layout = self.module.layout
+
+        def group_of(i: int) -> int:
+            names = layout.slots[i].names
+            for g, (pred, _) in enumerate(rules):
+                if any(pred(n) for n in names):
+                    return g + 1
+            return 0
+
+        members: list[list[torch.Tensor]] = [[] for _ in range(len(rules) + 1)]
+        self.group_names = [[] for _ in range(len(rules) + 1)]
+        for i in self._trainable:
+            self.group_names[group_of(i)].append(layout.slots[i].name)
+        if self.shard:
+            s0, e0 = self._slices[self.rank]
+            for i in self._trainable:
+                s = layout.slots[i]
+                a, b = max(s.offset, s0), min(s.end, e0)
+                if a < b:
+                    piece = torch.nn.Parameter(self._slice_view(self._param_slice(), a, b))
+                    self._pieces.append((i, a, b, piece))
+                    members[group_of(i)].append(piece)
+        else:
+            for i in self._trainable:
+                members[group_of(i)].append(self._params[i])
+        if not any(members):
+            # torch refuses an optimizer without parameters; a rank whose slice
+            # holds only padding steps an empty tensor instead.
+            members[0].append(torch.nn.Parameter(torch.empty(0, device=self.device)))
+        param_groups = [{"params": members[0]}]
+        param_groups += [{"params": m, **over} for m, (_, over) in zip(members[1:], rules)]
+        self._optimizer = optimizer_class(param_groups, **defaults)
+        return self._optimizer
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer built by :meth:`make_optimizer` (``None`` before)."""
+        return self._optimizer
+
+    def optimizer_segments(self) -> list[tuple[int, int, int, torch.Tensor]]:
+        """``(slot, start, end, tensor)`` for each tensor :meth:`make_optimizer` handed to the optimizer.
+
+        ``[start, end)`` is the tensor's range of the flat buffer (a whole
+        parameter, or in sharded mode the part in this rank's slice).
+        """
+        if self.shard:
+            return [(i, a, b, piece) for i, a, b, piece in self._pieces]
+        layout = self.module.layout
+        return [
+            (i, layout.slots[i].offset, layout.slots[i].end, self._params[i])
+            for i in self._trainable
+        ]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Average (reduce) the gradients if not done yet, step the optimizer, and in sharded
+        mode write the updated slice back and all-gather every rank's slice."""
+        self._check_open()
+        if self._optimizer is None:
+            raise TorchShardError("step(): build the optimizer with trainer.make_optimizer() first")
+        if not self._averaged:
+            self.average_gradients()
+        self._optimizer.step()
+        if self.shard:
+            self.gather_slices()
+        self._averaged = False
+
+    @torch.no_grad()
+    def gather_slices(self) -> None:
+        """Sharded mode: copy the master slice into the flat buffer and all-gather every slice."""
+        flat = self._flat
+        s0, e0 = self._slices[self.rank]
+        if self._master is not None:
+            flat[s0:e0].copy_(self._master)
+        if self.world_size == 1:
+            return
+        if self.device.type == "cuda":
+            dist.all_gather_into_tensor(flat[: self.padded_numel], flat[s0:e0], group=self._group)
+        else:  # gloo: all_gather into views of the flat buffer, no extra copy
+            outs = [flat[a:b] for a, b in self._slices]
+            dist.all_gather(outs, flat[s0:e0], group=self._group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients: the next backward writes into the flat gradient afresh."""
+        self.module.zero_grad(set_to_none=set_to_none)
+        for *_, piece in self._pieces:
+            piece.grad = None
+        self._averaged = False
+
+    def refresh_master(self) -> None:
+        """Sharded mixed precision: copy the rank's slice of the weights into the master copy
+        (after the weights were changed other than by :meth:`step`, e.g. by a load)."""
+        if self._master is not None:
+            s0, e0 = self._slices[self.rank]
+            with torch.no_grad():
+                self._master.copy_(self._flat[s0:e0])
+
+    def _param_slice(self) -> torch.Tensor:
+        s0, e0 = self._slices[self.rank]
+        return self._master if self._master is not None else self._flat[s0:e0]
+
+    def _grad_slice(self) -> torch.Tensor:
+        s0, e0 = self._slices[self.rank]
+        if self._master_grad is not None:
+            return self._master_grad
+        grad = self.module.flat_grad
+        assert grad is not None
+        return grad[s0:e0]
+
+    def _slice_view(self, t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        s0 = self._slices[self.rank][0]
+        return t[a - s0 : b - s0]
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds: ``parameters``, ``gradients``, ``optimizer`` state, ``master``."""
+        flat, grad = self._flat, self.module.flat_grad
+        opt = 0
+        if self._optimizer is not None:
+            for state in self._optimizer.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor):
+                        opt += v.numel() * v.element_size()
+        master = 0
+        for t in (self._master, self._master_grad):
+            if t is not None:
+                master += t.numel() * t.element_size()
+        return {
+            "parameters": flat.numel() * flat.element_size(),
+            "gradients": 0 if grad is None else grad.numel() * grad.element_size(),
+            "optimizer": opt,
+            "master": master,
+        }
 
     @torch.no_grad()
     def assert_in_sync(self) -> None:
