@@ -16,7 +16,7 @@ ALLOWED = {
     "_buckets": {"_layout"},
     "_flat_module": {"_errors", "_layout"},
     "_dist": {"_errors"},
-    "_trainer": {"_buckets", "_dist", "_errors", "_flat_module", "_layout"},
+    "_trainer": {"_buckets", "_dist", "_errors", "_flat_module", "_layout", "_reshard"},
     "_reshard": {"_layout"},
     "_safetensors": {"_errors"},
     "_ckpt_format": {"_errors", "_layout", "_safetensors"},
@@ -46,7 +46,8 @@ ALLOWED = {
         "_safetensors",
         "_trainer",
     },
-    "_cli": {"__init__", "_errors", "_layout"},
+    "_ckpt_tools": {"_ckpt_format", "_errors", "_layout", "_reshard", "_safetensors"},
+    "_cli": {"__init__", "_ckpt_tools", "_errors", "_layout"},
 }
 # The trainer side never reaches into checkpointing.
 CHECKPOINT = {m for m in ALLOWED if m.startswith("_ck") or m == "_checkpoint"}

@@ -29,8 +29,7 @@ import torch
 
 from ._ckpt_format import (
     FORMAT_VERSION,
-    INDEX,
-    METADATA,
+    commit,
     complete_checkpoints,
     model_file,
     optim_file,
@@ -95,6 +94,7 @@ class _Share:
     optim: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     optim_range: tuple[int, int] = (0, 0)
     metadata: dict[str, Any] | None = None  # rank 0 only, without "files"
+    buffer_bytes: int = 0
 
 
 class _Writer:
@@ -204,6 +204,7 @@ class _Writer:
             host = self.buffer(f"buffer:{name}", b.numel(), b.dtype, t.device).view(b.shape)
             copies.append((host, b.detach()))
             share.weights.append((name, host))
+            share.buffer_bytes += b.numel() * b.element_size()
 
         view = OptimizerView.of(optimizer, fm) if optimizer is not None else None
         if view is not None and view.flat_keys:
@@ -346,7 +347,8 @@ class _Writer:
                 if "error" in reply:
                     raise CheckpointError(reply["error"])
                 files.update(reply["files"])
-            _commit(share, tmp, files)
+            assert share.metadata is not None
+            commit(tmp, share.path, share.metadata, files, share.buffer_bytes)
             if keep_last is not None:
                 _rotate(root, keep_last, keep=share.path)
         except BaseException as e:
@@ -403,39 +405,6 @@ def _write_files(t: Target, share: _Share, tmp: Path) -> dict[str, dict[str, Any
             meta = {"range": f"{s},{e}"}
             records[name] = write_safetensors(tmp / name, share.optim, meta)
     return {k: v.to_dict() for k, v in records.items()}
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _commit(share: _Share, tmp: Path, files: dict[str, dict[str, Any]]) -> None:
-    meta = share.metadata
-    assert meta is not None
-    weight_map, total = {}, 0
-    for shard in meta["weights"]["shards"]:
-        lo, hi = shard["slots"]
-        for s in meta["layout"]["slots"][lo:hi]:
-            weight_map[s[0]] = shard["file"]
-            total += s[3]
-    total *= torch.empty((), dtype=getattr(torch, meta["layout"]["dtype"])).element_size()
-    weight_map.update(meta["weights"]["buffers"])
-    _write_json(tmp / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _write_json(tmp / METADATA, {**meta, "files": files})  # last: its presence means complete
-    _fsync_dir(tmp)
-    os.rename(tmp, share.path)
-    _fsync_dir(share.path.parent)
 
 
 def _rotate(root: Path, keep_last: int, keep: Path) -> None:

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ._errors import CheckpointError, LayoutError
-from ._layout import FlatLayout
-from ._safetensors import FileRecord
+from ._layout import FlatLayout, dtype_from_name, dtype_name
+from ._safetensors import FileRecord, SafetensorsReader, TensorEntry
 
 __all__ = [
     "FORMAT_VERSION",
     "Metadata",
+    "OptimMeta",
+    "Readers",
+    "commit",
     "complete_checkpoints",
     "model_file",
     "optim_file",
@@ -73,6 +79,89 @@ def resolve(path: Path) -> Path:
 
 
 @dataclass(frozen=True)
+class OptimMeta:
+    """The optimizer section of ``metadata.json``, parsed."""
+
+    cls: str
+    flat_state: dict[str, torch.dtype]
+    scalar_state: dict[str, Any]
+    param_groups: list[dict[str, Any]]
+    stateful: str
+    files: list[tuple[str, int, int]]  # (file, start, end) in flat-buffer elements
+
+
+def _parse_optim(meta_path: Path, o: Any) -> OptimMeta | None:
+    if o is None:
+        return None
+    try:
+        files = []
+        for f in o["files"]:
+            start, end = (int(x) for x in f["range"])
+            files.append((str(f["file"]), start, end))
+        groups = list(o["param_groups"])
+        for g in groups:
+            if not isinstance(g, dict) or not isinstance(g["params"], list):
+                raise TypeError("param_groups: expected objects with a 'params' list")
+        return OptimMeta(
+            cls=str(o["class"]),
+            flat_state={str(k): dtype_from_name(v) for k, v in o["flat_state"].items()},
+            scalar_state=dict(o["scalar_state"]),
+            param_groups=groups,
+            stateful=str(o["stateful"]),
+            files=files,
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # LayoutError is a ValueError
+        raise CheckpointError(f"{meta_path}: optimizer: malformed ({type(e).__name__}: {e})") from e
+
+
+def _structure_problems(
+    where: Path, layout: FlatLayout, weights: list[dict[str, Any]], opt: OptimMeta | None
+) -> list[str]:
+    """What in ``metadata.json`` does not add up (slot and range coverage, per-slot lists)."""
+    n, problems, pos = len(layout.slots), [], 0
+    for w in weights:
+        lo, hi = w["slots"]
+        if lo != pos or hi <= lo:
+            problems.append(
+                f"{where}: weight shard {w['file']} holds slots [{lo}, {hi}), expected [{pos}, ...)"
+            )
+            break
+        pos = hi
+    else:
+        if pos != n:
+            problems.append(f"{where}: the weight shards hold slots [0, {pos}) of {n}")
+    if opt is None:
+        return problems
+    if len(opt.stateful) != n or set(opt.stateful) - {"0", "1"}:
+        problems.append(f"{where}: optimizer: 'stateful' is not {n} digits 0/1")
+    for key, spec in opt.scalar_state.items():
+        values = spec.get("values") if isinstance(spec, dict) else None
+        if not isinstance(values, list) or len(values) != n or "dtype" not in spec:
+            problems.append(f"{where}: optimizer scalar state {key!r}: expected {n} values")
+    names = {s.name for s in layout}
+    for g, group in enumerate(opt.param_groups):
+        unknown = [p for p in group["params"] if p not in names]
+        if unknown:
+            problems.append(f"{where}: optimizer param group {g}: unknown parameters {unknown[:3]}")
+    if opt.flat_state:
+        pos = 0
+        for file, start, end in opt.files:
+            if start != pos or end <= start:
+                problems.append(
+                    f"{where}: optimizer file {file} holds elements [{start}, {end}), "
+                    f"expected [{pos}, ...)"
+                )
+                break
+            pos = end
+        else:
+            if pos != layout.numel:
+                problems.append(
+                    f"{where}: the optimizer files hold elements [0, {pos}) of {layout.numel}"
+                )
+    return problems
+
+
+@dataclass(frozen=True)
 class Metadata:
     """A parsed, validated ``metadata.json``."""
 
@@ -83,7 +172,7 @@ class Metadata:
     files: dict[str, FileRecord]
     weights: list[dict[str, Any]]  # [{"file", "slots": [lo, hi]}], one per saving rank with weights
     buffers: dict[str, str]  # buffer name -> file
-    optimizer: dict[str, Any] | None
+    optim: OptimMeta | None
     extra: dict[str, Any]
     raw: dict[str, Any]
 
@@ -130,10 +219,10 @@ def read_metadata(path: Path) -> Metadata:
         buffers = {
             str(k): _safe_name(v, str(meta_path)) for k, v in raw["weights"]["buffers"].items()
         }
-        optimizer = raw.get("optimizer")
-        if optimizer is not None:
-            for f in optimizer["files"]:
-                _safe_name(f["file"], str(meta_path))
+        optim = _parse_optim(meta_path, raw.get("optimizer"))
+        if optim is not None:
+            for f, _, _ in optim.files:
+                _safe_name(f, str(meta_path))
         layout = FlatLayout.from_dict(raw["layout"])
         extra = raw.get("extra") or {}
         meta = Metadata(
@@ -144,7 +233,7 @@ def read_metadata(path: Path) -> Metadata:
             files=files,
             weights=weights,
             buffers=buffers,
-            optimizer=optimizer,
+            optim=optim,
             extra=extra,
             raw=raw,
         )
@@ -154,10 +243,93 @@ def read_metadata(path: Path) -> Metadata:
         raise CheckpointError(f"{meta_path}: {e}") from e
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{meta_path}: malformed ({type(e).__name__}: {e})") from e
+    problems = _structure_problems(meta_path, meta.layout, weights, optim)
+    if problems:
+        raise CheckpointError(problems[0])
     referenced = {w["file"] for w in weights} | set(buffers.values())
-    if optimizer is not None:
-        referenced |= {f["file"] for f in optimizer["files"]}
+    if optim is not None:
+        referenced |= {f for f, _, _ in optim.files}
     missing = referenced - set(files)
     if missing:
         raise CheckpointError(f"{meta_path}: files {sorted(missing)} have no size/checksum record")
     return meta
+
+
+class Readers:
+    """Opens a checkpoint's files on demand, a few at a time; counts the bytes read."""
+
+    def __init__(self, meta: Metadata, max_open: int = 8) -> None:
+        self.meta = meta
+        self.max_open = max_open
+        self._open: dict[str, SafetensorsReader] = {}  # in order of last use
+        self.bytes_read = 0
+
+    def __getitem__(self, name: str) -> SafetensorsReader:
+        reader = self._open.pop(name, None)
+        if reader is None:
+            if len(self._open) >= self.max_open:
+                self._close(next(iter(self._open)))
+            reader = SafetensorsReader(self.meta.file_path(name), self.meta.files[name])
+        self._open[name] = reader
+        return reader
+
+    def entry(
+        self, file: str, name: str, dtype: torch.dtype | None, shape: tuple[int, ...] | None
+    ) -> TensorEntry:
+        """Tensor ``name`` of ``file``; raise :class:`CheckpointError` unless it is as expected."""
+        reader = self[file]
+        e = reader.entries.get(name)
+        if e is None or (dtype is not None and e.dtype != dtype) or shape not in (None, e.shape):
+            want = f"{dtype_name(dtype) if dtype else 'a tensor'} {list(shape or ())}"
+            found = "nothing" if e is None else f"{dtype_name(e.dtype)} {list(e.shape)}"
+            raise CheckpointError(f"{reader.path}: tensor {name!r}: expected {want}, found {found}")
+        return e
+
+    def _close(self, name: str) -> None:
+        reader = self._open.pop(name)
+        self.bytes_read += reader.bytes_read
+        reader.close()
+
+    def close(self) -> None:
+        while self._open:
+            self._close(next(iter(self._open)))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as JSON and fsync it."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def commit(
+    tmp: Path, final: Path, metadata: dict[str, Any], files: dict[str, Any], buffer_bytes: int
+) -> None:
+    """Write the index and ``metadata.json`` (last) into ``tmp``, then rename it to ``final``.
+
+    ``metadata`` is everything but ``"files"``, which is ``files`` (name ->
+    record dict); ``buffer_bytes`` counts the module buffers for the index's
+    ``total_size``. The rename is the commit; both directories are fsynced.
+    """
+    layout = FlatLayout.from_dict(metadata["layout"])
+    weight_map, total = {}, buffer_bytes
+    for shard in metadata["weights"]["shards"]:
+        lo, hi = shard["slots"]
+        for s in layout.slots[lo:hi]:
+            weight_map[s.name] = shard["file"]
+            total += s.numel * layout.torch_dtype.itemsize
+    weight_map.update(metadata["weights"]["buffers"])
+    write_json(tmp / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json(tmp / METADATA, {**metadata, "files": files})  # last: its presence means complete
+    fsync_dir(tmp)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._ckpt_format import Metadata, read_metadata, resolve
+from ._ckpt_format import Metadata, Readers, read_metadata, resolve
 from ._ckpt_optim import OptimizerView, restore_group_values
 from ._ckpt_target import CheckpointInfo, Target
 from ._dist import exchange_bytes
@@ -24,29 +24,9 @@ from ._errors import CheckpointError
 from ._flat_module import FlatParamModule
 from ._layout import dtype_from_name
 from ._reshard import element_ranges, overlap
-from ._safetensors import SafetensorsReader
 from ._trainer import DistributedTrainer
 
 __all__ = ["load"]
-
-
-class _Readers:
-    """Opens each file of the checkpoint at most once; counts the bytes read."""
-
-    def __init__(self, meta: Metadata) -> None:
-        self.meta = meta
-        self._open: dict[str, SafetensorsReader] = {}
-        self.bytes_read = 0
-
-    def __getitem__(self, name: str) -> SafetensorsReader:
-        if name not in self._open:
-            self._open[name] = SafetensorsReader(self.meta.file_path(name), self.meta.files[name])
-        return self._open[name]
-
-    def close(self) -> None:
-        for r in self._open.values():
-            self.bytes_read += r.bytes_read
-            r.close()
 
 
 def _check_compatible(meta: Metadata, t: Target, optimizer: torch.optim.Optimizer | None) -> None:
@@ -64,15 +44,15 @@ def _check_compatible(meta: Metadata, t: Target, optimizer: torch.optim.Optimize
         )
     if optimizer is None:
         return
-    saved = meta.optimizer
+    saved = meta.optim
     if saved is None:
         raise CheckpointError(f"{meta.path}: holds no optimizer state; load with optimizer=None")
     cls = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-    if saved["class"] != cls:
-        raise CheckpointError(f"{meta.path}: optimizer: checkpoint has {saved['class']}, got {cls}")
+    if saved.cls != cls:
+        raise CheckpointError(f"{meta.path}: optimizer: checkpoint has {saved.cls}, got {cls}")
     view = OptimizerView.of(optimizer, t.fm)
     names = [s.name for s in t.fm.layout]
-    groups = saved["param_groups"]
+    groups = saved.param_groups
     if len(groups) != len(optimizer.param_groups):
         raise CheckpointError(
             f"{meta.path}: optimizer: checkpoint has {len(groups)} param groups, got "
@@ -89,7 +69,7 @@ def _check_compatible(meta: Metadata, t: Target, optimizer: torch.optim.Optimize
 
 
 def _read_share(
-    meta: Metadata, t: Target, optimizer: torch.optim.Optimizer | None, readers: _Readers
+    meta: Metadata, t: Target, optimizer: torch.optim.Optimizer | None, readers: Readers
 ) -> dict[str, Any]:
     """Read this rank's element range of weights and optimizer state, and the buffers, to host."""
     layout = t.fm.layout
@@ -99,46 +79,31 @@ def _read_share(
     weights = torch.zeros(e - s, dtype=layout.torch_dtype, pin_memory=pin)
     for shard in meta.weights:
         lo, hi = shard["slots"]
-        reader = None
         for slot in layout.slots[lo:hi]:
             ov = overlap((slot.offset, slot.end), (s, e))
             if ov is None:
                 continue
-            reader = reader or readers[shard["file"]]
-            entry = reader.entries.get(slot.name)
-            if entry is None or entry.shape != slot.shape:
-                found = "nothing" if entry is None else f"shape {list(entry.shape)}"
-                raise CheckpointError(
-                    f"{reader.path}: parameter {slot.name!r}: expected shape {list(slot.shape)}, "
-                    f"found {found}"
-                )
+            readers.entry(shard["file"], slot.name, layout.torch_dtype, slot.shape)
             a, b = ov
-            reader.read_into(slot.name, a - slot.offset, b - slot.offset, weights[a - s : b - s])
+            dst = weights[a - s : b - s]
+            readers[shard["file"]].read_into(slot.name, a - slot.offset, b - slot.offset, dst)
     buffers = {}
-    live = t.buffers()
-    for name, file in meta.buffers.items():
-        reader = readers[file]
-        entry = reader.entries.get(name)
-        want = live[name]
-        if entry is None or entry.shape != tuple(want.shape) or entry.dtype != want.dtype:
-            raise CheckpointError(
-                f"{reader.path}: buffer {name!r}: expected {want.dtype} {list(want.shape)}, found "
-                f"{'nothing' if entry is None else f'{entry.dtype} {list(entry.shape)}'}"
-            )
-        host = torch.empty(entry.shape, dtype=entry.dtype)
-        reader.read_into(name, 0, host.numel(), host.view(-1))
+    for name, want in t.buffers().items():
+        file = meta.buffers[name]
+        readers.entry(file, name, want.dtype, tuple(want.shape))
+        host = torch.empty(want.shape, dtype=want.dtype)
+        readers[file].read_into(name, 0, host.numel(), host.view(-1))
         buffers[name] = host
     state = {}
     if optimizer is not None:
-        assert meta.optimizer is not None
-        for key, dname in meta.optimizer["flat_state"].items():
-            host = torch.zeros(e - s, dtype=dtype_from_name(dname), pin_memory=pin)
-            for f in meta.optimizer["files"]:
-                fs, fe = f["range"]
+        assert meta.optim is not None
+        for key, dtype in meta.optim.flat_state.items():
+            host = torch.zeros(e - s, dtype=dtype, pin_memory=pin)
+            for file, fs, fe in meta.optim.files:
                 ov = overlap((fs, fe), (s, e))
                 if ov is not None:
                     a, b = ov
-                    readers[f["file"]].read_into(key, a - fs, b - fs, host[a - s : b - s])
+                    readers[file].read_into(key, a - fs, b - fs, host[a - s : b - s])
             state[key] = host
     return {"range": (s, e), "weights": weights, "buffers": buffers, "optim": state}
 
@@ -183,16 +148,16 @@ def _apply(
         live[name].copy_(value)
     if optimizer is None:
         return
-    assert meta.optimizer is not None
+    assert meta.optim is not None
     full = {}
     for key, host in share["optim"].items():
         full[key] = torch.zeros(layout.numel, dtype=host.dtype, device=t.device)
         fill(full[key], host)
     view = OptimizerView.of(optimizer, t.fm)
-    scalars = meta.optimizer["scalar_state"]
-    stateful = meta.optimizer["stateful"]
+    scalars = meta.optim.scalar_state
+    stateful = meta.optim.stateful
     state, groups, pid = {}, [], 0
-    for group, saved in zip(optimizer.param_groups, meta.optimizer["param_groups"]):
+    for group, saved in zip(optimizer.param_groups, meta.optim.param_groups):
         ids = []
         for p in group["params"]:
             i = view.slot_of[id(p)]
@@ -244,7 +209,7 @@ def load(
         path = resolve(path)
         meta = read_metadata(path)
         _check_compatible(meta, t, optimizer)
-        readers = _Readers(meta)
+        readers = Readers(meta)
         share = _read_share(meta, t, optimizer, readers)
     except CheckpointError as e:
         error = str(e)

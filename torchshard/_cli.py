@@ -1,15 +1,18 @@
-"""The ``torchshard`` command line. Later subcommands (inspect, consolidate, ...) go here."""
+"""The ``torchshard`` command line: layout of a model; inspect, consolidate and reshard checkpoints."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import torch
 
 from . import __version__
+from ._ckpt_tools import ArgumentError, Progress, consolidate, inspect_checkpoint, reshard
 from ._errors import TorchShardError
 from ._layout import FlatLayout
 
@@ -54,22 +57,211 @@ def _cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
+class _StderrProgress(Progress):
+    """A byte-count bar on stderr (tqdm's when importable), one line per file otherwise; quiet
+    when stderr is not a terminal."""
+
+    def __init__(self) -> None:
+        self._tty = sys.stderr.isatty()
+        self._bar: Any = None
+        self._what, self._total, self._done = "", 0, 0
+
+    def start(self, what: str, total_bytes: int) -> None:
+        self._what, self._total, self._done = what, total_bytes, 0
+        if not self._tty:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self._bar = tqdm(
+            total=total_bytes, desc=what, unit="B", unit_scale=True, unit_divisor=1024,
+            file=sys.stderr, leave=False,
+        )  # fmt: skip
+
+    def file(self, name: str) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix_str(name, refresh=False)
+        elif self._tty:
+            pct = 100 * self._done // max(self._total, 1)
+            sys.stderr.write(f"torchshard: {self._what}: {pct:3d}% {name}\n")
+            sys.stderr.flush()
+
+    def advance(self, nbytes: int) -> None:
+        self._done += nbytes
+        if self._bar is not None:
+            self._bar.update(nbytes)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _value(v: Any) -> str:
+    return json.dumps(v, separators=(",", ":")) if isinstance(v, (list, dict)) else str(v)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    report = inspect_checkpoint(args.path, progress=_StderrProgress())
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        r = report
+        where = (
+            f"  (latest of {len(r.steps_under_root)} complete under {args.path})"
+            if r.steps_under_root
+            else ""
+        )
+        itemsize = torch.empty((), dtype=getattr(torch, r.dtype)).element_size()
+        print(f"checkpoint   {r.path}{where}")
+        print(f"step         {r.step}")
+        print(f"world size   {r.world_size} (at save)")
+        print(f"format       {r.format_version}")
+        print(
+            f"parameters   {r.parameters:,} ({r.param_numel:,} elements, {r.dtype}, "
+            f"{_size(r.param_numel * itemsize)}); flat buffer {r.numel:,} elements"
+        )
+        for alias, name in r.tied.items():
+            print(f"  tied       {alias} -> {name}")
+        print(f"buffers      {len(r.buffers)}" + (f": {', '.join(r.buffers)}" if r.buffers else ""))
+        opt = r.optimizer
+        if opt is None:
+            print("optimizer    none")
+        else:
+            state = [f"{k} ({d})" for k, d in opt["flat_state"].items()]
+            state += [f"{k} (scalar, {d})" for k, d in opt["scalar_state"].items()]
+            print(f"optimizer    {opt['class']}")
+            print(f"  state      {', '.join(state) or 'none yet'}")
+            print(f"  stateful   {opt['stateful']} of {r.parameters} parameters")
+            for g, group in enumerate(opt["param_groups"]):
+                hyper = ", ".join(f"{k}={_value(v)}" for k, v in group.items() if k != "params")
+                print(f"  group {g:<4} {group['params']} parameters: {hyper}")
+        print(f"extra        {json.dumps(r.extra)}")
+        print("files")
+        width = max((len(f.name) for f in r.files), default=0)
+        for f in r.files:
+            status = "OK" if f.ok else "BAD"
+            print(f"  {f.name:<{width}}  {f.size:>14,} bytes  {f.chunks:>5} chunks  {status}")
+        if r.ok:
+            print(f"OK: {len(r.files)} files, {r.total_bytes:,} bytes, every checksum verified")
+        else:
+            print(f"{len(r.problems)} problem(s):")
+            for p in r.problems:
+                print(f"  {p}")
+    if not report.ok:
+        more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
+        print(f"torchshard: error: {report.problems[0]}{more}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_consolidate(args: argparse.Namespace) -> int:
+    done = consolidate(args.path, args.out, aliases=args.with_aliases, progress=_StderrProgress())
+    print(f"wrote {done.path}: step {done.step}, {done.tensors} tensors, {done.nbytes:,} bytes")
+    if done.tied:
+        tied = ", ".join(f"{a} (= {n})" for a, n in done.tied.items())
+        print(
+            f"tied parameters stored once, without {tied}: load with "
+            "model.load_state_dict(sd, strict=False), or consolidate with --with-aliases"
+        )
+    return 0
+
+
+def _cmd_reshard(args: argparse.Namespace) -> int:
+    path = reshard(args.path, args.out, args.world_size, progress=_StderrProgress())
+    print(f"wrote {path}: world size {args.world_size}")
+    return 0
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports bad command lines as one line (raised, so ``main`` returns 2) instead of exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``torchshard`` console script."""
-    parser = argparse.ArgumentParser(prog="torchshard", description=__doc__)
+    """Entry point of the ``torchshard`` console script; returns the exit status.
+
+    0: success; 1: a corrupt, missing or incompatible checkpoint (or an I/O
+    error); 2: bad arguments. Errors are one line on stderr.
+    """
+    parser = _Parser(prog="torchshard", description=__doc__)
     parser.add_argument("--version", action="version", version=f"torchshard {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("layout", help="print the flat layout of a model built on meta")
     p.add_argument("factory", help="'module:callable' returning an nn.Module (built on meta)")
     p.add_argument("--align-bytes", type=int, default=16)
     p.add_argument("--json", action="store_true", help="print the layout JSON")
-    p.set_defaults(run=_cmd_layout)
-    args = parser.parse_args(argv)
+    p.set_defaults(run=_cmd_layout, error_status=2)
+    ckpt_help = "a checkpoint directory, or a root (then its latest complete checkpoint)"
+    p = sub.add_parser(
+        "inspect",
+        help="describe a checkpoint and verify every file and checksum",
+        description="Print what a checkpoint holds and verify every file's size and every chunk's "
+        "checksum. Exit status 0 when all is well, 1 when anything is wrong.",
+    )
+    p.add_argument("path", metavar="PATH", help=ckpt_help)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=_cmd_inspect, error_status=1)
+    p = sub.add_parser(
+        "consolidate",
+        help="write the weights as one standard safetensors file",
+        description="Write the model's weights and buffers as one safetensors file with its "
+        "state-dict names. A tied parameter is stored once, under its first name (as "
+        "transformers does): load with load_state_dict(sd, strict=False).",
+    )
+    p.add_argument("path", metavar="PATH", help=ckpt_help)
+    p.add_argument("out", metavar="OUT", help="the output .safetensors file")
+    p.add_argument(
+        "--with-aliases",
+        action="store_true",
+        help="also write a copy of each tied parameter under its other names (strict loading)",
+    )
+    p.set_defaults(run=_cmd_consolidate, error_status=1)
+    p = sub.add_parser(
+        "reshard",
+        help="rewrite a checkpoint as if saved at another world size",
+        description="Rewrite a checkpoint as OUT/step-N for world size N, streaming (memory "
+        "about one block); committed like a save (metadata.json last, then a rename).",
+    )
+    p.add_argument("path", metavar="PATH", help=ckpt_help)
+    p.add_argument("out", metavar="OUT", help="the output checkpoint root")
+    p.add_argument("--world-size", type=int, required=True, metavar="N", help="the new world size")
+    p.set_defaults(run=_cmd_reshard, error_status=1)
     try:
-        return args.run(args)
-    except TorchShardError as e:
+        args = parser.parse_args(argv)
+    except _UsageError as e:
         print(f"torchshard: error: {e}", file=sys.stderr)
         return 2
+    try:
+        return args.run(args)
+    except ArgumentError as e:
+        print(f"torchshard: error: {e}", file=sys.stderr)
+        return 2
+    except TorchShardError as e:
+        print(f"torchshard: error: {e}", file=sys.stderr)
+        return args.error_status
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"torchshard: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("torchshard: error: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

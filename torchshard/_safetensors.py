@@ -22,7 +22,13 @@ import torch
 
 from ._errors import CheckpointError
 
-__all__ = ["FileRecord", "SafetensorsReader", "TensorEntry", "write_safetensors"]
+__all__ = [
+    "FileRecord",
+    "SafetensorsReader",
+    "SafetensorsWriter",
+    "TensorEntry",
+    "write_safetensors",
+]
 
 _DTYPES = {
     torch.float64: "F64",
@@ -97,63 +103,104 @@ class TensorEntry:
     end: int
 
 
+class SafetensorsWriter:
+    """A safetensors file written piece by piece from a header known in advance.
+
+    Computes the per-chunk CRC32s on the way (``zlib`` and ``write`` release
+    the GIL on large blocks) and fsyncs in :meth:`finish`.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        offset = 0
+        for name, dtype, shape in entries:
+            if name in header:
+                raise CheckpointError(f"{path.name}: tensor name {name!r} appears twice")
+            code = _DTYPES.get(dtype)
+            if code is None:
+                raise CheckpointError(
+                    f"tensor {name!r}: dtype {dtype} has no safetensors code here"
+                )
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {
+                "dtype": code,
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)
+        self.path = path
+        self.size = 8 + len(head) + offset
+        self._chunk = chunk_size_for(self.size)
+        self._crcs: list[int] = []
+        self._crc = self._filled = self._written = 0
+        self._f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in finish()/close()
+        try:
+            self.write(memoryview(len(head).to_bytes(8, "little")))
+            self.write(memoryview(head))
+        except BaseException:
+            self._f.close()
+            raise
+
+    def write(self, data: memoryview) -> None:
+        self._written += len(data)
+        if self._written > self.size:
+            raise CheckpointError(f"{self.path}: more data than its header describes")
+        rest = data
+        while len(rest):
+            take = min(len(rest), self._chunk - self._filled)
+            self._crc = zlib.crc32(rest[:take], self._crc)
+            self._filled += take
+            rest = rest[take:]
+            if self._filled == self._chunk:
+                self._crcs.append(self._crc)
+                self._crc = self._filled = 0
+        while len(data):
+            n = self._f.write(data)
+            data = data[n:]
+
+    def finish(self) -> FileRecord:
+        if self._written != self.size:
+            raise CheckpointError(f"{self.path}: wrote {self._written} of {self.size} bytes")
+        os.fsync(self._f.fileno())
+        self._f.close()
+        if self._filled:
+            self._crcs.append(self._crc)
+        return FileRecord(self.size, self._chunk, tuple(self._crcs))
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def write_safetensors(
     path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None
 ) -> FileRecord:
     """Write ``tensors`` (contiguous CPU tensors, in this order) as one safetensors file.
 
-    Streams from the tensors' memory, fsyncs, and returns the file's record.
+    Streams from the tensors' memory in large blocks, fsyncs, and returns the file's record.
     """
-    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-    offset = 0
     for name, t in tensors:
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"{name}: stage tensors to contiguous host memory before writing")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": _DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # safetensors pads the header to 8 bytes
-    size = 8 + len(head) + offset
-    chunk = chunk_size_for(size)
-    crcs: list[int] = []
-    state = {"crc": 0, "filled": 0}
-
-    def checksum(data: memoryview) -> None:
-        while len(data):
-            take = min(len(data), chunk - state["filled"])
-            state["crc"] = zlib.crc32(data[:take], state["crc"])
-            state["filled"] += take
-            data = data[take:]
-            if state["filled"] == chunk:
-                crcs.append(state["crc"])
-                state["crc"], state["filled"] = 0, 0
-
-    with open(path, "wb", buffering=0) as f:
-        for piece in (memoryview(len(head).to_bytes(8, "little")), memoryview(head)):
-            checksum(piece)
-            f.write(piece)
+    entries = [(name, t.dtype, tuple(t.shape)) for name, t in tensors]
+    with SafetensorsWriter(path, entries, metadata) as out:
         for _, t in tensors:
             data = _bytes_of(t)
             for start in range(0, len(data), _WRITE_BLOCK):
-                block = data[start : start + _WRITE_BLOCK]
-                checksum(block)  # zlib and write() both release the GIL on large blocks
-                _write_all(f, block)
-        f.flush()
-        os.fsync(f.fileno())
-    if state["filled"]:
-        crcs.append(state["crc"])
-    return FileRecord(size, chunk, tuple(crcs))
-
-
-def _write_all(f, data: memoryview) -> None:
-    while len(data):
-        n = f.write(data)
-        data = data[n:]
+                out.write(data[start : start + _WRITE_BLOCK])
+        return out.finish()
 
 
 class SafetensorsReader:
