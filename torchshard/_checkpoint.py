@@ -37,8 +37,9 @@ from ._ckpt_format import (
     tmp_dir,
 )
 from ._ckpt_load import load
-from ._ckpt_optim import OptimizerView
+from ._ckpt_optim import OptimizerView, merge_scalars
 from ._ckpt_target import CheckpointInfo, Target
+from ._dist import exchange_bytes
 from ._errors import CheckpointError
 from ._flat_module import FlatParamModule
 from ._layout import dtype_name
@@ -206,35 +207,39 @@ class _Writer:
             share.weights.append((name, host))
             share.buffer_bytes += b.numel() * b.element_size()
 
-        view = OptimizerView.of(optimizer, fm) if optimizer is not None else None
+        view = OptimizerView.of(optimizer, fm, t.trainer) if optimizer is not None else None
         if view is not None and view.flat_keys:
             align = layout.align_bytes // layout.torch_dtype.itemsize
             s0, e0 = element_ranges(layout.numel, t.world, align)[t.rank]
             share.optim_range = (s0, e0)
+            segments = sorted(view.segments, key=lambda g: g.start)
             for key, dtype in view.flat_keys.items():
                 host = self.buffer(f"optim:{key}", e0 - s0, dtype, t.device)
                 pos = s0
-                for i, slot in enumerate(layout.slots):
-                    a, b = max(slot.offset, s0), min(slot.end, e0)
+                for seg in segments:
+                    a, b = max(seg.start, s0), min(seg.end, e0)
                     if a >= b:
                         continue
                     if a > pos:
                         copies.append((host[pos - s0 : a - s0], None))  # padding: zeros
-                    state = optimizer.state.get(view.params[i], {})  # type: ignore[union-attr]
-                    src = state.get(key)
-                    part = (
-                        None
-                        if src is None
-                        else src.detach().reshape(-1)[a - slot.offset : b - slot.offset]
-                    )
+                    src = view.source(seg, key)
+                    part = None if src is None else src[a - seg.start : b - seg.start]
                     copies.append((host[a - s0 : b - s0], part))
                     pos = b
                 if pos < e0:
                     copies.append((host[pos - s0 :], None))
                 share.optim.append((key, host))
+        scalars: tuple[dict[str, Any], str] = ({}, "")
+        if view is not None:
+            mine = view.scalars(len(layout))
+            if optimizer is t.sharded_optimizer and t.world > 1:
+                # Each rank knows the scalar state (Adam's step) of its own slice only.
+                replies = exchange_bytes(json.dumps(mine).encode(), t.group, t.device)
+                scalars = merge_scalars([json.loads(r) for r in replies])
+            else:
+                scalars = merge_scalars([mine])
 
         if t.rank == 0:
-            names = [s.name for s in layout]
             share.metadata = {
                 "format_version": FORMAT_VERSION,
                 "step": step,
@@ -256,13 +261,10 @@ class _Writer:
                 ranges = element_ranges(layout.numel, t.world, align)
                 share.metadata["optimizer"] = {
                     "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
-                    "param_groups": view.groups_json(names),
+                    "param_groups": view.groups_json(),
                     "flat_state": {k: dtype_name(d) for k, d in view.flat_keys.items()},
-                    "scalar_state": view.scalars,
-                    "stateful": "".join(
-                        "1" if optimizer.state.get(p) else "0"  # type: ignore[union-attr]
-                        for p in view.params
-                    ),
+                    "scalar_state": scalars[0],
+                    "stateful": scalars[1],
                     "files": [
                         {"file": optim_file(r, t.world), "range": [a, b]}
                         for r, (a, b) in enumerate(ranges)

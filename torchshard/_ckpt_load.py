@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ._ckpt_format import Metadata, Readers, read_metadata, resolve
-from ._ckpt_optim import OptimizerView, restore_group_values
+from ._ckpt_optim import MASTER, OptimizerView, restore_group_values
 from ._ckpt_target import CheckpointInfo, Target
 from ._dist import exchange_bytes
 from ._errors import CheckpointError
@@ -50,16 +50,14 @@ def _check_compatible(meta: Metadata, t: Target, optimizer: torch.optim.Optimize
     cls = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     if saved.cls != cls:
         raise CheckpointError(f"{meta.path}: optimizer: checkpoint has {saved.cls}, got {cls}")
-    view = OptimizerView.of(optimizer, t.fm)
-    names = [s.name for s in t.fm.layout]
+    view = OptimizerView.of(optimizer, t.fm, t.trainer)
     groups = saved.param_groups
     if len(groups) != len(optimizer.param_groups):
         raise CheckpointError(
             f"{meta.path}: optimizer: checkpoint has {len(groups)} param groups, got "
             f"{len(optimizer.param_groups)}"
         )
-    for g, (sg, group) in enumerate(zip(groups, optimizer.param_groups)):
-        mine = [names[view.slot_of[id(p)]] for p in group["params"]]
+    for g, (sg, mine) in enumerate(zip(groups, view.group_names)):
         if sg["params"] != mine:
             first = next((a, b) for a, b in zip([*sg["params"], None], [*mine, None]) if a != b)
             raise CheckpointError(
@@ -97,7 +95,10 @@ def _read_share(
     state = {}
     if optimizer is not None:
         assert meta.optim is not None
+        takes_master = OptimizerView.of(optimizer, t.fm, t.trainer).has_master
         for key, dtype in meta.optim.flat_state.items():
+            if key == MASTER and not takes_master:
+                continue
             host = torch.zeros(e - s, dtype=dtype, pin_memory=pin)
             for file, fs, fe in meta.optim.files:
                 ov = overlap((fs, fe), (s, e))
@@ -143,31 +144,42 @@ def _apply(
                     dist.broadcast(full[a:b], t.global_rank(q), group=t.group)
 
     fill(flat, share["weights"])
+    if t.trainer is not None:
+        t.trainer.refresh_master()  # a saved master slice, if any, overrides it below
     live = t.buffers()
     for name, value in share["buffers"].items():
         live[name].copy_(value)
     if optimizer is None:
         return
     assert meta.optim is not None
-    full = {}
+    view = OptimizerView.of(optimizer, t.fm, t.trainer)
+    # The sharded trainer's optimizer holds this rank's range only: no exchange needed.
+    own = optimizer is t.sharded_optimizer
+    lo = s if own else 0
+    flat_state = {}
     for key, host in share["optim"].items():
-        full[key] = torch.zeros(layout.numel, dtype=host.dtype, device=t.device)
-        fill(full[key], host)
-    view = OptimizerView.of(optimizer, t.fm)
-    scalars = meta.optim.scalar_state
-    stateful = meta.optim.stateful
+        if own:
+            flat_state[key] = host.to(t.device, copy=True)
+        else:
+            flat_state[key] = torch.zeros(layout.numel, dtype=host.dtype, device=t.device)
+            fill(flat_state[key], host)
+    segment = {id(seg.tensor): seg for seg in view.segments}
+    scalars, stateful = meta.optim.scalar_state, meta.optim.stateful
     state, groups, pid = {}, [], 0
     for group, saved in zip(optimizer.param_groups, meta.optim.param_groups):
         ids = []
         for p in group["params"]:
-            i = view.slot_of[id(p)]
-            slot = layout.slots[i]
-            if stateful[i] == "1":
+            seg = segment.get(id(p))  # None: the sharded trainer's empty placeholder
+            if seg is not None and MASTER in flat_state:
+                p.copy_(flat_state[MASTER][seg.start - lo : seg.end - lo].view(p.shape))
+            if seg is not None and stateful[seg.slot] == "1":
                 st: dict[str, Any] = {
-                    k: v[slot.offset : slot.end].view(slot.shape) for k, v in full.items()
+                    k: v[seg.start - lo : seg.end - lo].view(p.shape)
+                    for k, v in flat_state.items()
+                    if k != MASTER
                 }
                 for key, spec in scalars.items():
-                    v = spec["values"][i]
+                    v = spec["values"][seg.slot]
                     if v is not None:
                         st[key] = (
                             v

@@ -1,4 +1,11 @@
-"""An optimizer's state seen through the flat layout: flat per-parameter tensors and scalars."""
+"""An optimizer's state seen through the flat layout, as flat ranges and per-slot scalars.
+
+The optimizer updates *segments*: ranges ``[start, end)`` of the flat buffer,
+each a whole parameter (an optimizer over ``fm.parameters()``, or the
+replicated trainer's) or the part of one in this rank's slice (the sharded
+trainer's). State shaped like its segment (``exp_avg``...) is saved as flat
+ranges in layout order; the rest (``step``...) as one JSON value per slot.
+"""
 
 from __future__ import annotations
 
@@ -9,81 +16,112 @@ import torch
 
 from ._errors import CheckpointError
 from ._flat_module import FlatParamModule
-from ._layout import dtype_from_name, dtype_name
+from ._layout import dtype_name
+from ._trainer import DistributedTrainer
 
-__all__ = ["OptimizerView", "restore_group_values"]
+__all__ = ["MASTER", "OptimizerView", "Segment", "restore_group_values"]
+
+MASTER = "master"  # the flat key under which fp32 master weights are saved
+
+
+@dataclass(frozen=True)
+class Segment:
+    slot: int
+    start: int
+    end: int
+    tensor: torch.Tensor  # what the optimizer holds: a parameter or a piece of a slice
 
 
 @dataclass
 class OptimizerView:
-    """Which slot each optimizer parameter is, and how its state splits.
-
-    ``flat_keys``: state entries shaped like their parameter (``exp_avg``...),
-    saved as flat ranges in layout order; ``scalars``: the rest (``step``...),
-    one JSON value per slot (``None`` where a parameter has no state yet).
-    """
-
     optimizer: torch.optim.Optimizer
-    slot_of: dict[int, int]  # id(param) -> slot index
-    params: list[torch.Tensor]  # by slot index
+    segments: list[Segment]  # in the optimizer's parameter order
+    group_names: list[list[str]]  # each param group's parameters, by name
     flat_keys: dict[str, torch.dtype]
-    scalars: dict[str, dict[str, Any]]
+    has_master: bool  # the segments are master weights in another dtype than the buffer
 
     @classmethod
-    def of(cls, optimizer: torch.optim.Optimizer, fm: FlatParamModule) -> OptimizerView:
-        params = [p for _, p in fm.named_flat_views()]
-        slot_of = {id(p): i for i, p in enumerate(params)}
+    def of(
+        cls,
+        optimizer: torch.optim.Optimizer,
+        fm: FlatParamModule,
+        trainer: DistributedTrainer | None = None,
+    ) -> OptimizerView:
+        layout = fm.layout
+        by_id: dict[int, Segment] = {}
+        if trainer is not None and trainer.optimizer is optimizer:
+            for i, a, b, t in trainer.optimizer_segments():
+                by_id[id(t)] = Segment(i, a, b, t)
+        else:
+            for slot, p in fm.named_flat_views():
+                i = layout.slots.index(slot)
+                by_id[id(p)] = Segment(i, slot.offset, slot.end, p)
+        segments, names = [], []
         for g, group in enumerate(optimizer.param_groups):
+            group_names = []
             for p in group["params"]:
-                if id(p) not in slot_of:
+                seg = by_id.get(id(p))
+                if seg is None:
+                    if p.numel() == 0:  # the sharded trainer's placeholder for an empty slice
+                        continue
                     raise CheckpointError(
-                        f"optimizer: param group {g} holds a tensor of shape {list(p.shape)} that is "
-                        "not a parameter of the wrapped model; build the optimizer over fm.parameters()"
+                        f"optimizer: param group {g} holds a tensor of shape {list(p.shape)} that "
+                        "is not a parameter of the wrapped model; build the optimizer over "
+                        "fm.parameters() or with trainer.make_optimizer()"
                     )
+                segments.append(seg)
+                group_names.append(layout.slots[seg.slot].name)
+            names.append(group_names)
+        if trainer is not None and trainer.optimizer is optimizer:
+            names = [list(n) for n in trainer.group_names]  # every rank's, not only this slice's
         flat_keys: dict[str, torch.dtype] = {}
-        scalar_keys: set[str] = set()
-        for p, state in optimizer.state.items():
-            for key, v in state.items():
-                if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0:
+        for seg in segments:
+            for key, v in optimizer.state.get(seg.tensor, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == seg.tensor.shape:
                     flat_keys.setdefault(key, v.dtype)
-                else:
-                    scalar_keys.add(key)
-        clash = scalar_keys & set(flat_keys)
-        for key in sorted(clash):  # 0-dim parameters: their tensors look like scalars
-            if all(isinstance(v, torch.Tensor) and v.shape == p.shape for p, st in
-                   optimizer.state.items() for k, v in st.items() if k == key):  # fmt: skip
-                scalar_keys.discard(key)
-            else:
-                raise CheckpointError(f"optimizer state {key!r}: mixes tensors and scalars")
-        scalars = {}
-        for key in sorted(scalar_keys):
-            values: list[Any] = [None] * len(params)
-            kind = "python"
-            for p, state in optimizer.state.items():
-                if key not in state:
+        has_master = any(seg.tensor.dtype != fm.dtype for seg in segments)
+        if has_master:
+            flat_keys[MASTER] = segments[0].tensor.dtype
+        return cls(optimizer, segments, names, flat_keys, has_master)
+
+    def source(self, seg: Segment, key: str) -> torch.Tensor | None:
+        """The flat (1-D) state ``key`` of ``seg``, or ``None`` where it has none."""
+        if key == MASTER:
+            return seg.tensor.detach().reshape(-1)
+        v = self.optimizer.state.get(seg.tensor, {}).get(key)
+        return None if v is None else v.detach().reshape(-1)
+
+    def scalars(self, n_slots: int) -> tuple[dict[str, dict[str, Any]], list[bool]]:
+        """Scalar state per slot (``None``: no state) and which slots have state, from this rank."""
+        out: dict[str, dict[str, Any]] = {}
+        stateful = [False] * n_slots
+        for seg in self.segments:
+            state = self.optimizer.state.get(seg.tensor, {})
+            if state:
+                stateful[seg.slot] = True
+            for key, v in state.items():
+                if key in self.flat_keys:
                     continue
-                v = state[key]
+                spec = out.setdefault(key, {"dtype": "python", "values": [None] * n_slots})
                 if isinstance(v, torch.Tensor):
                     if v.numel() != 1:
                         raise CheckpointError(
-                            f"optimizer state {key!r} of {fm.layout.slots[slot_of[id(p)]].name!r}: "
-                            f"shape {list(v.shape)} is neither the parameter's nor a scalar; "
-                            "this optimizer is not supported"
+                            f"optimizer state {key!r}: shape {list(v.shape)} is neither its "
+                            "parameter's nor a scalar; this optimizer is not supported"
                         )
-                    kind = dtype_name(v.dtype)
+                    spec["dtype"] = dtype_name(v.dtype)
                     v = v.item()
                 elif v is not None and not isinstance(v, (int, float, bool)):
                     raise CheckpointError(
                         f"optimizer state {key!r}: {type(v).__name__} values are not supported"
                     )
-                values[slot_of[id(p)]] = v
-            scalars[key] = {"dtype": kind, "values": values}
-        return cls(optimizer, slot_of, params, flat_keys, scalars)
+                spec["values"][seg.slot] = v
+        return out, stateful
 
-    def groups_json(self, names: list[str]) -> list[dict[str, Any]]:
+    def groups_json(self) -> list[dict[str, Any]]:
         """Param-group hyperparameters as JSON, with each group's parameters by name."""
         out = []
-        for g, group in enumerate(self.optimizer.param_groups):
+        for g, (group, names) in enumerate(zip(self.optimizer.param_groups, self.group_names)):
             entry: dict[str, Any] = {}
             for k, v in group.items():
                 if k == "params":
@@ -97,14 +135,25 @@ class OptimizerView:
                         f"optimizer param group {g}: {k!r} is a {type(v).__name__}, not JSON"
                     )
                 entry[k] = v
-            entry["params"] = [names[self.slot_of[id(p)]] for p in group["params"]]
+            entry["params"] = names
             out.append(entry)
         return out
 
-    def state_value(self, key: str, spec: dict[str, Any], value: Any, param: torch.Tensor) -> Any:
-        if spec["dtype"] == "python" or value is None:
-            return value
-        return torch.tensor(value, dtype=dtype_from_name(spec["dtype"]))
+
+def merge_scalars(parts: list[tuple[dict[str, dict[str, Any]], list[bool]]]) -> tuple[dict, str]:
+    """Combine the per-rank scalar state of a sharded optimizer (each rank knows its slots)."""
+    merged: dict[str, dict[str, Any]] = {}
+    stateful: list[bool] = []
+    for scalars, flags in parts:
+        stateful = [a or b for a, b in zip(stateful, flags)] if stateful else list(flags)
+        for key, spec in scalars.items():
+            into = merged.setdefault(key, {"dtype": spec["dtype"], "values": list(spec["values"])})
+            for i, v in enumerate(spec["values"]):
+                if v is not None:
+                    into["values"][i] = v
+            if spec["dtype"] != "python":
+                into["dtype"] = spec["dtype"]
+    return merged, "".join("1" if f else "0" for f in stateful)
 
 
 def restore_group_values(current: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:

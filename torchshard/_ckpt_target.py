@@ -31,6 +31,7 @@ class Target:
     """What a save or load acts on: a flat module, and the group of ranks holding it."""
 
     def __init__(self, obj: DistributedTrainer | FlatParamModule) -> None:
+        self.trainer = obj if isinstance(obj, DistributedTrainer) else None
         if isinstance(obj, DistributedTrainer):
             self.fm, self.group = obj.module, obj.process_group
             self.rank, self.world, self.device = obj.rank, obj.world_size, obj.device
@@ -48,6 +49,13 @@ class Target:
             store = dist.distributed_c10d._get_default_store()
             clone = getattr(store, "clone", None)
             self.store = clone() if clone is not None else store  # its own connection
+
+    @property
+    def sharded_optimizer(self) -> torch.optim.Optimizer | None:
+        """The sharded trainer's optimizer (its state lives in this rank's slice only)."""
+        if self.trainer is not None and self.trainer.shard:
+            return self.trainer.optimizer
+        return None
 
     def global_rank(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
