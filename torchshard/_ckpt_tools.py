@@ -13,7 +13,6 @@ import json
 import math
 import os
 import shutil
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -260,50 +259,25 @@ def _verify_file(
     expected: list[tuple[str, torch.dtype | None, tuple[int, ...] | None]],
     progress: Progress,
 ) -> FileStatus:
-    """Size, every chunk's CRC32, the header, and the tensors the metadata says are there."""
-    chunks = len(record.crc32)
+    """Size, the header's and every data chunk's CRC32, and the tensors the metadata expects."""
     try:
-        found = path.stat().st_size
+        found: int | None = path.stat().st_size
     except FileNotFoundError:
-        progress.advance(record.size)
-        return FileStatus(path.name, record.size, None, chunks, 0, (f"{path}: missing",))
-    if found != record.size:
-        progress.advance(record.size)
-        return FileStatus(
-            path.name,
-            record.size,
-            found,
-            chunks,
-            0,
-            (f"{path}: expected {record.size} bytes, found {found}; truncated or replaced",),
-        )
-    bad: list[int] = []
-    buf = bytearray(min(record.chunk_bytes, max(record.size, 1)))
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        for index, crc in enumerate(record.crc32):
-            want = min(record.chunk_bytes, record.size - index * record.chunk_bytes)
-            got = 0
-            while got < want:
-                n = f.readinto(view[got:want])
-                if not n:
-                    break
-                got += n
-            if got != want or zlib.crc32(view[:want]) != crc:
-                bad.append(index)
-            progress.advance(want)
-    problems = []
-    if bad:
-        a = bad[0] * record.chunk_bytes
-        b = min(a + record.chunk_bytes, record.size)
-        problems.append(
-            f"{path}: checksum mismatch in {len(bad)} of {chunks} chunks (first: bytes "
-            f"[{a}, {b})); the file is corrupt"
-        )
-    tensors = 0
+        found = None
+    problems: list[str] = []
+    chunks = tensors = 0
     try:
-        with SafetensorsReader(path) as reader:
-            tensors = len(reader.entries)
+        with SafetensorsReader(path, record) as reader:  # checks size and header checksum
+            chunks, tensors = len(reader.crc32), len(reader.entries)
+            progress.advance(reader.data_start)
+            bad = reader.verify(progress.advance)
+            if bad:
+                a = reader.data_start + bad[0] * reader.chunk_bytes
+                b = min(a + reader.chunk_bytes, reader.size)
+                problems.append(
+                    f"{path}: checksum mismatch in {len(bad)} of {chunks} chunks (first: bytes "
+                    f"[{a}, {b})); the file is corrupt"
+                )
             for name, dtype, shape in expected:
                 e = reader.entries.get(name)
                 if e is None:
@@ -314,7 +288,8 @@ def _verify_file(
                         f"{list(shape or e.shape)}, found {dtype_name(e.dtype)} {list(e.shape)}"
                     )
     except CheckpointError as e:
-        problems.append(str(e))
+        progress.advance(record.size)
+        problems.append(f"{path}: missing" if found is None else str(e))
     return FileStatus(path.name, record.size, found, chunks, tensors, tuple(problems))
 
 

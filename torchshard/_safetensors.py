@@ -15,6 +15,7 @@ import json
 import math
 import os
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 
 def chunk_size_for(nbytes: int) -> int:
-    """CRC chunk size: about 1024 chunks per file, between 4 KiB and 64 MiB.
+    """CRC chunk size: about 1024 chunks per data section, between 4 KiB and 64 MiB.
 
     A reader verifies whole chunks, so it reads at most two chunks more than
     it needs per file: about 0.2% of a file.
@@ -67,31 +68,25 @@ def chunk_size_for(nbytes: int) -> int:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """Size and per-chunk CRC32s of a written file, as stored in ``metadata.json``."""
+    """A written file as ``metadata.json`` records it: its size and its header's CRC32.
+
+    The header itself lists the CRC32 of every chunk of the data section
+    (``__metadata__``: ``torchshard.chunk_bytes``, ``torchshard.crc32``), so
+    ``metadata.json`` stays small whatever the sizes and the number of ranks.
+    """
 
     size: int
-    chunk_bytes: int
-    crc32: tuple[int, ...]
+    header_crc32: int
 
     def to_dict(self) -> dict:
-        return {
-            "size": self.size,
-            "chunk_bytes": self.chunk_bytes,
-            "crc32": "".join(f"{c:08x}" for c in self.crc32),
-        }
+        return {"size": self.size, "header_crc32": f"{self.header_crc32:08x}"}
 
     @classmethod
     def from_dict(cls, d: dict) -> FileRecord:
-        text = d["crc32"]
-        if not isinstance(text, str) or len(text) % 8:
-            raise ValueError("crc32: expected a string of 8-digit hex values")
-        crcs = tuple(int(text[i : i + 8], 16) for i in range(0, len(text), 8))
-        size, chunk = int(d["size"]), int(d["chunk_bytes"])
-        if chunk <= 0 or len(crcs) != -(-size // chunk):
-            raise ValueError(
-                f"{len(crcs)} checksums do not cover {size} bytes in chunks of {chunk}"
-            )
-        return cls(size, chunk, crcs)
+        size, crc = int(d["size"]), int(d["header_crc32"], 16)
+        if size < 8 or not 0 <= crc < 2**32:
+            raise ValueError(f"bad file record {d}")
+        return cls(size, crc)
 
 
 @dataclass(frozen=True)
@@ -104,10 +99,12 @@ class TensorEntry:
 
 
 class SafetensorsWriter:
-    """A safetensors file written piece by piece from a header known in advance.
+    """A safetensors file written piece by piece, tensor data in the order of ``entries``.
 
-    Computes the per-chunk CRC32s on the way (``zlib`` and ``write`` release
-    the GIL on large blocks) and fsyncs in :meth:`finish`.
+    The header goes first with placeholder checksums (all the same length),
+    the data streams after it while the CRC32 of each chunk is computed
+    (``zlib`` and ``write`` release the GIL on large blocks), and
+    :meth:`finish` rewrites the header with the real checksums and fsyncs.
     """
 
     def __init__(
@@ -116,10 +113,10 @@ class SafetensorsWriter:
         entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
         metadata: dict[str, str] | None = None,
     ) -> None:
-        header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        self._header: dict[str, object] = {}
         offset = 0
         for name, dtype, shape in entries:
-            if name in header:
+            if name in self._header or name == "__metadata__":
                 raise CheckpointError(f"{path.name}: tensor name {name!r} appears twice")
             code = _DTYPES.get(dtype)
             if code is None:
@@ -127,30 +124,40 @@ class SafetensorsWriter:
                     f"tensor {name!r}: dtype {dtype} has no safetensors code here"
                 )
             nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {
+            self._header[name] = {
                 "dtype": code,
                 "shape": list(shape),
                 "data_offsets": [offset, offset + nbytes],
             }
             offset += nbytes
-        head = json.dumps(header, separators=(",", ":")).encode()
-        head += b" " * (-len(head) % 8)
+        self._metadata = {"format": "pt", **(metadata or {})}
         self.path = path
-        self.size = 8 + len(head) + offset
-        self._chunk = chunk_size_for(self.size)
+        self.data_size = offset
+        self._chunk = chunk_size_for(offset)
         self._crcs: list[int] = []
         self._crc = self._filled = self._written = 0
+        head = self._head([0] * -(-offset // self._chunk))
+        self.size = len(head) + offset
         self._f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in finish()/close()
         try:
-            self.write(memoryview(len(head).to_bytes(8, "little")))
-            self.write(memoryview(head))
+            _write_all(self._f, memoryview(head))
         except BaseException:
             self._f.close()
             raise
 
+    def _head(self, crcs: list[int]) -> bytes:
+        meta = {
+            **self._metadata,
+            "torchshard.chunk_bytes": str(self._chunk),
+            "torchshard.crc32": "".join(f"{c:08x}" for c in crcs),
+        }
+        head = json.dumps({"__metadata__": meta, **self._header}, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)  # safetensors pads the header to 8 bytes
+        return len(head).to_bytes(8, "little") + head
+
     def write(self, data: memoryview) -> None:
         self._written += len(data)
-        if self._written > self.size:
+        if self._written > self.data_size:
             raise CheckpointError(f"{self.path}: more data than its header describes")
         rest = data
         while len(rest):
@@ -161,18 +168,20 @@ class SafetensorsWriter:
             if self._filled == self._chunk:
                 self._crcs.append(self._crc)
                 self._crc = self._filled = 0
-        while len(data):
-            n = self._f.write(data)
-            data = data[n:]
+        _write_all(self._f, data)
 
     def finish(self) -> FileRecord:
-        if self._written != self.size:
-            raise CheckpointError(f"{self.path}: wrote {self._written} of {self.size} bytes")
-        os.fsync(self._f.fileno())
-        self._f.close()
+        """Write the real checksums into the header, fsync, and return the file's record."""
+        if self._written != self.data_size:
+            raise CheckpointError(f"{self.path}: wrote {self._written} of {self.data_size} bytes")
         if self._filled:
             self._crcs.append(self._crc)
-        return FileRecord(self.size, self._chunk, tuple(self._crcs))
+        head = self._head(self._crcs)
+        assert len(head) + self.data_size == self.size  # same length as the placeholder
+        os.pwrite(self._f.fileno(), head, 0)
+        os.fsync(self._f.fileno())
+        self._f.close()
+        return FileRecord(self.size, zlib.crc32(head))
 
     def close(self) -> None:
         self._f.close()
@@ -182,6 +191,12 @@ class SafetensorsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _write_all(f, data: memoryview) -> None:
+    while len(data):
+        n = f.write(data)
+        data = data[n:]
 
 
 def write_safetensors(
@@ -228,6 +243,7 @@ class SafetensorsReader:
                     "the file is truncated or was replaced"
                 )
             self.entries, self.metadata, self.data_start = self._parse_header()
+            self.chunk_bytes, self.crc32 = self._parse_checksums()
         except BaseException:
             self._f.close()
             raise
@@ -238,11 +254,23 @@ class SafetensorsReader:
     def _parse_header(self) -> tuple[dict[str, TensorEntry], dict[str, str], int]:
         if self.size < 8:
             raise self._error(f"{self.size} bytes, shorter than the 8-byte header length")
-        n = int.from_bytes(self.read(0, 8), "little")
+        first = bytearray(8)
+        self._pread(0, memoryview(first))
+        n = int.from_bytes(first, "little")
         if n > _MAX_HEADER or 8 + n > self.size:
             raise self._error(f"header length {n} does not fit in {self.size} bytes")
+        raw = bytearray(n)
+        self._pread(8, memoryview(raw))
+        if (
+            self.record is not None
+            and zlib.crc32(raw, zlib.crc32(first)) != self.record.header_crc32
+        ):
+            raise CheckpointError(
+                f"{self.path}: header checksum mismatch; the file is corrupt, restore it or "
+                "load an earlier checkpoint"
+            )
         try:
-            header = json.loads(self.read(8, n))
+            header = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise self._error(f"header is not JSON ({e})") from e
         if not isinstance(header, dict):
@@ -266,11 +294,34 @@ class SafetensorsReader:
             raise self._error(f"data ends at byte {data_start + end}, file has {self.size}")
         return entries, metadata, data_start
 
-    def read(self, offset: int, nbytes: int) -> bytes:
-        """Raw bytes (verified against the chunk CRCs when there is a record)."""
-        out = bytearray(nbytes)
-        self._read_into(offset, memoryview(out))
-        return bytes(out)
+    def _parse_checksums(self) -> tuple[int, tuple[int, ...]]:
+        """The data section's chunk size and CRC32s, from the header (when a record vouches for it)."""
+        if self.record is None:
+            return 0, ()
+        try:
+            chunk = int(self.metadata["torchshard.chunk_bytes"])
+            text = self.metadata["torchshard.crc32"]
+            crcs = tuple(int(text[i : i + 8], 16) for i in range(0, len(text), 8))
+        except (KeyError, TypeError, ValueError) as e:
+            raise self._error(f"no chunk checksums in its header ({type(e).__name__}: {e})") from e
+        data = self.size - self.data_start
+        if chunk <= 0 or len(text) % 8 or len(crcs) != -(-data // chunk):
+            raise self._error(f"{len(crcs)} checksums do not cover {data} bytes of data")
+        return chunk, crcs
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> list[int]:
+        """Read the whole data section; return the indices of chunks whose CRC32 is wrong."""
+        bad = []
+        for index in range(len(self.crc32)):
+            try:
+                self._chunk(index)
+            except CheckpointError:
+                bad.append(index)
+            if progress is not None:
+                progress(
+                    min(self.chunk_bytes, self.size - self.data_start - index * self.chunk_bytes)
+                )
+        return bad
 
     def read_into(self, name: str, start: int, stop: int, dst: torch.Tensor) -> None:
         """Copy elements ``[start, stop)`` of tensor ``name`` (flattened) into CPU tensor ``dst``."""
@@ -293,27 +344,27 @@ class SafetensorsReader:
         if self.record is None:
             self._pread(offset, out)
             return
-        chunk = self.record.chunk_bytes
-        pos, end = offset, offset + len(out)
+        chunk, base = self.chunk_bytes, self.data_start
+        pos, end = offset - base, offset - base + len(out)  # within the data section
         while pos < end:
             index = pos // chunk
             data = self._chunk(index)
             lo = pos - index * chunk
             take = min(end - pos, len(data) - lo)
-            out[pos - offset : pos - offset + take] = data[lo : lo + take]
+            out[pos - (offset - base) : pos - (offset - base) + take] = data[lo : lo + take]
             pos += take
 
     def _chunk(self, index: int) -> bytes:
         if self._cached is not None and self._cached[0] == index:
             return self._cached[1]
-        assert self.record is not None
-        chunk = self.record.chunk_bytes
-        n = min(chunk, self.size - index * chunk)
+        chunk = self.chunk_bytes
+        start = self.data_start + index * chunk
+        n = min(chunk, self.size - start)
         buf = bytearray(n)
-        self._pread(index * chunk, memoryview(buf))
-        if zlib.crc32(buf) != self.record.crc32[index]:
+        self._pread(start, memoryview(buf))
+        if zlib.crc32(buf) != self.crc32[index]:
             raise CheckpointError(
-                f"{self.path}: checksum mismatch in bytes [{index * chunk}, {index * chunk + n}); "
+                f"{self.path}: checksum mismatch in bytes [{start}, {start + n}); "
                 "the file is corrupt, restore it or load an earlier checkpoint"
             )
         self._cached = (index, bytes(buf))
