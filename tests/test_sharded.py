@@ -266,3 +266,39 @@ def test_bf16_with_fp32_master_follows_the_fp32_loss_curve():
     assert fp32["mem"]["parameters"] == 4 * n32 and fp32["mem"]["master"] == 0
     assert bf16["mem"]["master"] == 8 * (n16 // 2)
     assert abs(bf16["mem"]["optimizer"] - fp32["mem"]["optimizer"]) <= 8 * (n16 - n32) + 8
+
+
+# -- memory accounting -------------------------------------------------------------------------
+def _measured_memory(shard: bool, dtype: torch.dtype, kind: str) -> dict:
+    torch.manual_seed(0)
+    model = Model()
+    model.wpe.weight.requires_grad_(False)
+    trainer = DistributedTrainer(FlatParamModule(model, dtype=dtype), shard=shard)
+    if kind == "adamw":
+        trainer.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    else:
+        trainer.make_optimizer(torch.optim.SGD, lr=1e-3, momentum=0.9)
+    train(trainer, range(2))  # the optimizer's state exists after a step
+    out = trainer.memory_bytes()
+    trainer.close()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+@pytest.mark.parametrize(
+    ("shard", "dtype", "kind"),
+    [
+        (True, torch.bfloat16, "adamw"),
+        (True, torch.float32, "sgd"),
+        (False, torch.float32, "adamw"),
+    ],
+)
+def test_memory_plan_matches_what_the_trainer_allocates(world_size, shard, dtype, kind):
+    from torchshard import FlatLayout, plan_memory
+
+    measured = run_distributed(_measured_memory, world_size, shard, dtype, kind, timeout=120)
+    model = Model()
+    model.wpe.weight.requires_grad_(False)
+    layout = FlatLayout.from_module(model, dtype=dtype)
+    planned = plan_memory(layout, world_size, shard=shard, optimizer=kind)
+    assert measured == [p.as_dict() for p in planned]

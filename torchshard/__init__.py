@@ -4,6 +4,7 @@ from ._dist import DistInfo, init_distributed
 from ._errors import BindError, LayoutError, RankMismatchError, TorchShardError
 from ._flat_module import FlatParamModule
 from ._layout import FlatLayout, ParamSlot
+from ._memory import RankMemory, plan_memory
 from ._trainer import CommStats, DistributedTrainer
 
 __version__ = "0.1.0"
@@ -17,8 +18,10 @@ __all__ = [
     "FlatParamModule",
     "LayoutError",
     "ParamSlot",
+    "RankMemory",
     "RankMismatchError",
     "TorchShardError",
     "__version__",
     "init_distributed",
+    "plan_memory",
 ]

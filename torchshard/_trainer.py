@@ -19,6 +19,7 @@ from ._dist import destroy_owned_group, exchange_bytes, init_distributed
 from ._errors import RankMismatchError, TorchShardError
 from ._flat_module import FlatParamModule
 from ._layout import FlatLayout
+from ._memory import padded_numel
 from ._reshard import element_ranges
 
 __all__ = ["CommStats", "DistributedTrainer"]
@@ -122,8 +123,7 @@ class DistributedTrainer:
         layout = fm.layout
         align = layout.align_bytes // layout.torch_dtype.itemsize
         # Sharded: pad so that every rank owns an equal slice (one all-gather).
-        unit = align * (self.world_size if shard else 1)
-        self.padded_numel = -(-layout.numel // unit) * unit
+        self.padded_numel = padded_numel(layout, self.world_size, self.shard)
         self._bind(fm, init_fn)
         self._flat = fm.flat_param
         self._closed = False
