@@ -21,7 +21,7 @@ ALLOWED = {
     "_memory": {"_layout", "_reshard"},
     "_safetensors": {"_errors"},
     "_ckpt_format": {"_errors", "_layout", "_safetensors"},
-    "_ckpt_optim": {"_errors", "_flat_module", "_layout"},
+    "_ckpt_optim": {"_errors", "_flat_module", "_layout", "_trainer"},
     "_ckpt_target": {"_errors", "_flat_module", "_trainer"},
     "_ckpt_load": {
         "_ckpt_format",
