@@ -40,6 +40,7 @@ ALLOWED = {
         "_ckpt_load",
         "_ckpt_optim",
         "_ckpt_target",
+        "_dist",
         "_errors",
         "_flat_module",
         "_layout",
