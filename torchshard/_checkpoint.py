@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ._ckpt_format import (
-    FORMAT_VERSION,
+    build_metadata,
     commit,
     complete_checkpoints,
     model_file,
@@ -240,37 +240,16 @@ class _Writer:
                 scalars = merge_scalars([mine])
 
         if t.rank == 0:
-            share.metadata = {
-                "format_version": FORMAT_VERSION,
-                "step": step,
-                "world_size": t.world,
-                "layout": layout.to_dict(),
-                "weights": {
-                    "shards": [
-                        {"file": model_file(r, t.world), "slots": [a, b]}
-                        for r, (a, b) in enumerate(shards)
-                        if b > a
-                    ],
-                    "buffers": {n: model_file(0, t.world) for n in buffers},
-                },
-                "optimizer": None,
-                "extra": extra,
-            }
+            optim_meta = None
             if view is not None:
-                align = layout.align_bytes // layout.torch_dtype.itemsize
-                ranges = element_ranges(layout.numel, t.world, align)
-                share.metadata["optimizer"] = {
+                optim_meta = {
                     "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
                     "param_groups": view.groups_json(),
                     "flat_state": {k: dtype_name(d) for k, d in view.flat_keys.items()},
                     "scalar_state": scalars[0],
                     "stateful": scalars[1],
-                    "files": [
-                        {"file": optim_file(r, t.world), "range": [a, b]}
-                        for r, (a, b) in enumerate(ranges)
-                        if b > a and view.flat_keys
-                    ],
                 }
+            share.metadata = build_metadata(layout, t.world, step, list(buffers), optim_meta, extra)
 
         def stage() -> None:
             if t.device.type == "cuda":

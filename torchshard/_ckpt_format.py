@@ -13,6 +13,7 @@ import torch
 
 from ._errors import CheckpointError, LayoutError
 from ._layout import FlatLayout, dtype_from_name, dtype_name
+from ._reshard import element_ranges, weight_shards
 from ._safetensors import FileRecord, SafetensorsReader, TensorEntry
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "Metadata",
     "OptimMeta",
     "Readers",
+    "build_metadata",
     "commit",
     "complete_checkpoints",
     "model_file",
@@ -306,7 +308,7 @@ def fsync_dir(path: Path) -> None:
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` as JSON and fsync it."""
     with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+        json.dump(data, f, separators=(",", ":"))
         f.flush()
         os.fsync(f.fileno())
 
@@ -333,3 +335,45 @@ def commit(
     fsync_dir(tmp)
     os.rename(tmp, final)
     fsync_dir(final.parent)
+
+
+def build_metadata(
+    layout: FlatLayout,
+    world_size: int,
+    step: int,
+    buffers: list[str],
+    optimizer: dict[str, Any] | None,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """``metadata.json`` of a save at ``world_size``, without ``files`` (pure: no tensors).
+
+    ``optimizer`` holds ``class``, ``param_groups``, ``flat_state``,
+    ``scalar_state`` and ``stateful``; the file list is derived here.
+    """
+    shards = weight_shards(layout, world_size)
+    meta: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "layout": layout.to_dict(),
+        "weights": {
+            "shards": [
+                {"file": model_file(r, world_size), "slots": [a, b]}
+                for r, (a, b) in enumerate(shards)
+                if b > a
+            ],
+            "buffers": {n: model_file(0, world_size) for n in buffers},
+        },
+        "optimizer": None,
+        "extra": extra,
+    }
+    if optimizer is not None:
+        align = layout.align_bytes // layout.torch_dtype.itemsize
+        ranges = element_ranges(layout.numel, world_size, align)
+        files = [
+            {"file": optim_file(r, world_size), "range": [a, b]}
+            for r, (a, b) in enumerate(ranges)
+            if b > a and optimizer["flat_state"]
+        ]
+        meta["optimizer"] = {**optimizer, "files": files}
+    return meta
