@@ -12,6 +12,9 @@ every CPython install), modelled byte by byte. Nothing is downloaded.
     # stop, then continue from the latest checkpoint at another world size
     torchrun --standalone --nproc-per-node 3 examples/train_gpt.py --resume
 
+    # FSDP-lite: optimizer state and gradients sharded, bf16 weights with an fp32 master
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --shard --bf16
+
     # two machines (run on each, with its own --node-rank)
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 \
         --rdzv-backend c10d --rdzv-endpoint HOST0:29500 examples/train_gpt.py
@@ -65,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument(
+        "--shard", action="store_true", help="FSDP-lite: shard optimizer state and grads"
+    )
+    p.add_argument("--bf16", action="store_true", help="bf16 weights (with --shard: fp32 master)")
+    p.add_argument(
         "--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)"
     )
     return p.parse_args(argv)
@@ -110,11 +117,27 @@ def main(argv: list[str] | None = None) -> float:
     torch.manual_seed(args.seed)
     with torch.device("meta"):
         model = GPT(cfg)
-    fm = torchshard.FlatParamModule(model)
+    fm = torchshard.FlatParamModule(model, dtype=torch.bfloat16 if args.bf16 else None)
     trainer = torchshard.DistributedTrainer(
-        fm, device=info.device, bucket_mb=args.bucket_mb, init_fn=init_gpt_weights
+        fm,
+        device=info.device,
+        bucket_mb=args.bucket_mb,
+        init_fn=init_gpt_weights,
+        shard=args.shard,
     )
-    opt = torch.optim.AdamW(fm.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+    # No weight decay for biases, LayerNorms and position embeddings; the same groups in
+    # both modes, so a checkpoint of one resumes in the other.
+    def no_decay(name: str) -> bool:
+        return name.endswith("bias") or ".ln_" in name or name.startswith(("ln_", "wpe"))
+
+    opt = trainer.make_optimizer(
+        torch.optim.AdamW,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        groups=[(no_decay, {"weight_decay": 0.0})],
+    )
     train, val = load_corpus()
     ckpt = (
         torchshard.checkpoint.Checkpointer(args.ckpt_dir, keep_last=args.keep_last)
@@ -146,9 +169,10 @@ def main(argv: list[str] | None = None) -> float:
                 resumed.extra["loss"],
             )
     log.info(
-        "world %d on %s: %.2fM parameters, corpus %d bytes, %d buckets",
+        "world %d on %s, %s: %.2fM parameters, corpus %d bytes, %d buckets",
         info.world_size,
         info.device,
+        "sharded" if args.shard else "replicated",
         fm.layout.param_numel / 1e6,
         len(train) + len(val),
         trainer.stats.buckets,
@@ -162,7 +186,7 @@ def main(argv: list[str] | None = None) -> float:
         lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in opt.param_groups:
             group["lr"] = lr
-        opt.zero_grad()
+        trainer.zero_grad()
         for micro in range(args.grad_accum):
             gen = batch_generator(args.seed, info.rank, step, micro)  # different data per rank
             x, y = get_batch(train, args.batch_size, args.block_size, gen, info.device)
@@ -171,13 +195,12 @@ def main(argv: list[str] | None = None) -> float:
                 _, loss = fm(x, y)
                 (loss / args.grad_accum).backward()
             loss_sum += loss.item() / args.grad_accum
-        trainer.average_gradients()
-        trainer.clip_grad_norm_(args.max_grad_norm)
-        opt.step()
+        trainer.clip_grad_norm_(args.max_grad_norm)  # averages (or reduces) the gradients first
+        trainer.step()  # the optimizer step; sharded: then all-gathers the updated slices
         n_logged += 1
 
         if step % args.log_every == 0 or step == args.steps:
-            mean = torch.tensor([loss_sum / n_logged], device=info.device)
+            mean = torch.tensor([float(loss_sum / n_logged)], device=info.device)
             dist.all_reduce(mean)
             mean_loss = mean.item() / info.world_size
             first_loss = first_loss or mean_loss
@@ -194,7 +217,7 @@ def main(argv: list[str] | None = None) -> float:
             t_last, wait_last, loss_sum = now, wait, 0.0
         if ckpt is not None and (step % args.save_every == 0 or step == args.steps):
             # Returns at once; the weights are staged in the background and written
-            # while training goes on (opt.step() waits for the staging copy).
+            # while training goes on (the next optimizer step waits for the staging copy).
             extra = {"world_size": info.world_size, "loss": mean_loss}
             ckpt.save(trainer, step=step, optimizer=opt, extra=extra)
 

@@ -128,7 +128,10 @@ def test_example_stops_and_resumes_at_another_world_size(tmp_path):
     check_run(out, world=2)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000020", "step-00000030"]
     longer = small(steps=40, log_every=5)
-    again = torchrun("--standalone", "--nproc-per-node", "3", EXAMPLE, *longer, *ckpt, "--resume")
+    # at 3 ranks, and sharded (FSDP-lite): a replicated checkpoint resumes in either mode
+    again = torchrun(
+        "--standalone", "--nproc-per-node", "3", EXAMPLE, *longer, *ckpt, "--resume", "--shard"
+    )
     out = subprocess.run(again, capture_output=True, text=True, timeout=240, env=clean_env())
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
