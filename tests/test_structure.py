@@ -20,7 +20,7 @@ ALLOWED = {
     "_reshard": {"_layout"},
     "_memory": {"_layout", "_reshard"},
     "_safetensors": {"_errors"},
-    "_ckpt_format": {"_errors", "_layout", "_safetensors"},
+    "_ckpt_format": {"_errors", "_layout", "_reshard", "_safetensors"},
     "_ckpt_optim": {"_errors", "_flat_module", "_layout", "_trainer"},
     "_ckpt_target": {"_errors", "_flat_module", "_trainer"},
     "_ckpt_load": {

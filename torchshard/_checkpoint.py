@@ -342,23 +342,31 @@ class _Writer:
         logger.info("checkpoint committed: %s", share.path)
         return share.path
 
-    def close(self) -> None:
+    def settle(self) -> None:
+        """Wait until no save is in flight (its error, if any, is left for wait() or the next save)."""
         if self._inflight is not None:
-            try:
-                self._inflight.wait()
-            finally:
-                self._inflight = None
-        self._pool.shutdown(wait=True)
-        self._staging.clear()
+            concurrent.futures.wait([self._inflight._future])
+
+    def close(self) -> None:
+        """Wait for the save in flight; raise its error unless someone has seen it already."""
+        try:
+            inflight, self._inflight = self._inflight, None
+            if inflight is not None and not inflight.observed:
+                inflight.wait()
+            elif inflight is not None:
+                concurrent.futures.wait([inflight._future])
+        finally:
+            self._pool.shutdown(wait=True)
+            self._staging.clear()
 
 
 def _as_checkpoint_error(e: BaseException) -> CheckpointError:
     if isinstance(e, CheckpointError):
         return e
     if isinstance(e, OSError):
-        where = f" {e.filename}" if e.filename else ""
+        where = f" {e.filename}:" if e.filename else ""
         return CheckpointError(
-            f"writing the checkpoint failed:{where}: {e.strerror or e}; the previous checkpoint is intact"
+            f"writing the checkpoint failed:{where} {e.strerror or e}; the previous checkpoint is intact"
         )
     return CheckpointError(f"writing the checkpoint failed: {type(e).__name__}: {e}")
 
@@ -506,8 +514,7 @@ class Checkpointer:
         path: str | os.PathLike[str] | None = None,
     ) -> CheckpointInfo:
         """Load ``path`` or the latest complete checkpoint (see :func:`load`)."""
-        if self._writer._inflight is not None:
-            self._writer._inflight.wait()
+        self._writer.settle()
         return load(self.root if path is None else path, trainer, optimizer=optimizer)
 
     def latest(self) -> Path | None:

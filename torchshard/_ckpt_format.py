@@ -100,12 +100,14 @@ def _parse_optim(meta_path: Path, o: Any) -> OptimMeta | None:
         for f in o["files"]:
             start, end = (int(x) for x in f["range"])
             files.append((str(f["file"]), start, end))
-        groups = list(o["param_groups"])
+        groups = o["param_groups"]
+        if not isinstance(groups, list) or not isinstance(o["class"], str):
+            raise TypeError("expected 'class' to be a string and 'param_groups' a list")
         for g in groups:
             if not isinstance(g, dict) or not isinstance(g["params"], list):
                 raise TypeError("param_groups: expected objects with a 'params' list")
         return OptimMeta(
-            cls=str(o["class"]),
+            cls=o["class"],
             flat_state={str(k): dtype_from_name(v) for k, v in o["flat_state"].items()},
             scalar_state=dict(o["scalar_state"]),
             param_groups=groups,
@@ -140,6 +142,17 @@ def _structure_problems(
         values = spec.get("values") if isinstance(spec, dict) else None
         if not isinstance(values, list) or len(values) != n or "dtype" not in spec:
             problems.append(f"{where}: optimizer scalar state {key!r}: expected {n} values")
+            continue
+        if spec["dtype"] != "python" and not isinstance(
+            getattr(torch, str(spec["dtype"]), None), torch.dtype
+        ):
+            problems.append(
+                f"{where}: optimizer scalar state {key!r}: unknown dtype {spec['dtype']!r}"
+            )
+        if any(v is not None and not isinstance(v, (int, float, bool)) for v in values):
+            problems.append(
+                f"{where}: optimizer scalar state {key!r}: values must be numbers or null"
+            )
     names = {s.name for s in layout}
     for g, group in enumerate(opt.param_groups):
         unknown = [p for p in group["params"] if p not in names]
@@ -227,6 +240,8 @@ def read_metadata(path: Path) -> Metadata:
                 _safe_name(f, str(meta_path))
         layout = FlatLayout.from_dict(raw["layout"])
         extra = raw.get("extra") or {}
+        if not isinstance(extra, dict):
+            raise TypeError(f"extra: expected a JSON object, got {type(extra).__name__}")
         meta = Metadata(
             path=path,
             step=int(raw["step"]),

@@ -227,6 +227,8 @@ def load(
         error = str(e)
     except OSError as e:
         error = f"{e.filename or path}: {e.strerror or e}"
+    except Exception as e:  # never leave the other ranks waiting in _agree
+        error = f"{path}: loading failed: {type(e).__name__}: {e}"
     finally:
         if readers is not None:
             readers.close()

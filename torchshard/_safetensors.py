@@ -138,12 +138,26 @@ class SafetensorsWriter:
         self._crc = self._filled = self._written = 0
         head = self._head([0] * -(-offset // self._chunk))
         self.size = len(head) + offset
-        self._f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in finish()/close()
         try:
-            _write_all(self._f, memoryview(head))
+            self._f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in finish()/close()
+        except OSError as e:
+            raise self._error(e) from e
+        try:
+            self._put(memoryview(head))
         except BaseException:
             self._f.close()
             raise
+
+    def _error(self, e: OSError) -> CheckpointError:
+        return CheckpointError(
+            f"{self.path}: cannot write ({e.strerror or e}); the previous checkpoint is intact"
+        )
+
+    def _put(self, data: memoryview) -> None:
+        try:
+            _write_all(self._f, data)
+        except OSError as e:
+            raise self._error(e) from e
 
     def _head(self, crcs: list[int]) -> bytes:
         meta = {
@@ -168,7 +182,7 @@ class SafetensorsWriter:
             if self._filled == self._chunk:
                 self._crcs.append(self._crc)
                 self._crc = self._filled = 0
-        _write_all(self._f, data)
+        self._put(data)
 
     def finish(self) -> FileRecord:
         """Write the real checksums into the header, fsync, and return the file's record."""
@@ -178,9 +192,13 @@ class SafetensorsWriter:
             self._crcs.append(self._crc)
         head = self._head(self._crcs)
         assert len(head) + self.data_size == self.size  # same length as the placeholder
-        os.pwrite(self._f.fileno(), head, 0)
-        os.fsync(self._f.fileno())
-        self._f.close()
+        try:
+            os.pwrite(self._f.fileno(), head, 0)
+            os.fsync(self._f.fileno())
+        except OSError as e:
+            raise self._error(e) from e
+        finally:
+            self._f.close()
         return FileRecord(self.size, zlib.crc32(head))
 
     def close(self) -> None:
