@@ -317,7 +317,9 @@ class DistributedTrainer:
             s0, e0 = self._slices[self.rank]
             mine = grad[s0:e0]
             if self._master_grad is not None:
-                self._master_grad.copy_(mine)  # averaged in the master dtype
+                # summed across ranks in the buffer's dtype (half the traffic in bf16),
+                # divided here in the master dtype
+                self._master_grad.copy_(mine)
                 mine = self._master_grad
             if self.world_size > 1:
                 mine.div_(self.world_size)
@@ -538,7 +540,9 @@ class DistributedTrainer:
         if self.world_size == 1:
             return
         if self.device.type == "cuda":
-            dist.all_gather_into_tensor(flat[: self.padded_numel], flat[s0:e0], group=self._group)
+            # all_gather_single is all_gather_into_tensor's name from torch 2.13 on
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(flat[: self.padded_numel], flat[s0:e0], group=self._group)
         else:  # gloo: all_gather into views of the flat buffer, no extra copy
             outs = [flat[a:b] for a, b in self._slices]
             dist.all_gather(outs, flat[s0:e0], group=self._group)
