@@ -44,7 +44,7 @@ from ._errors import CheckpointError
 from ._flat_module import FlatParamModule
 from ._layout import dtype_name
 from ._reshard import element_ranges, weight_shards
-from ._safetensors import FileRecord, write_safetensors
+from ._safetensors import FileRecord, SafetensorsWriter, write_safetensors
 from ._trainer import DistributedTrainer
 
 __all__ = ["CheckpointFuture", "CheckpointInfo", "Checkpointer", "async_save", "load", "save"]
@@ -92,7 +92,8 @@ class _Share:
     path: Path
     step: int
     weights: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    optim: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    # per state key: its dtype and its pieces in order (a tensor, or a count of zeros)
+    optim: list[tuple[str, torch.dtype, list[torch.Tensor | int]]] = field(default_factory=list)
     optim_range: tuple[int, int] = (0, 0)
     metadata: dict[str, Any] | None = None  # rank 0 only, without "files"
     buffer_bytes: int = 0
@@ -144,6 +145,7 @@ class _Writer:
         optimizer: torch.optim.Optimizer | None,
         extra: dict[str, Any] | None,
         keep_last: int | None,
+        blocking: bool = False,
     ) -> CheckpointFuture:
         previous = self._inflight
         if previous is not None:
@@ -162,16 +164,19 @@ class _Writer:
         target = Target(obj)
         seq = next(_SEQ)
         root = Path(root)
-        share, stage = self._plan(target, root, step, optimizer, extra_json)
         cuda = target.device.type == "cuda"
+        # A save the caller waits for writes host tensors straight from where they live.
+        staged = cuda or not blocking
+        share, stage = self._plan(target, root, step, optimizer, extra_json, staged)
+        background_stage = None
         if cuda:
             stage()  # enqueued on a side stream; the optimizer's stream waits for it
-        elif optimizer is not None:
+        elif staged and optimizer is not None:
             self._staged.clear()  # staged in the background; optimizer.step() waits
             self.fence(optimizer)
-        else:
+            background_stage = stage
+        elif staged:
             stage()  # nothing tells us when the weights change: copy now
-        background_stage = None if cuda or optimizer is None else stage
         future = self._pool.submit(
             self._write, target, share, root, seq, keep_last, background_stage
         )
@@ -186,7 +191,10 @@ class _Writer:
         step: int,
         optimizer: torch.optim.Optimizer | None,
         extra: dict[str, Any],
+        staged: bool,
     ) -> tuple[_Share, Callable[[], None]]:
+        """This rank's files and the copies that stage them (``staged=False``: the files
+        are written straight from the live tensors, for a save the caller waits for)."""
         layout, fm = t.fm.layout, t.fm
         flat = fm.flat_param
         assert flat is not None
@@ -196,14 +204,18 @@ class _Writer:
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host destination, source)
         if hi > lo:
             base, end = layout.slots[lo].offset, layout.slots[hi - 1].end
-            host = self.buffer("weights", end - base, fm.dtype, t.device)
-            copies.append((host, flat[base:end]))
+            host = flat[base:end]
+            if staged:
+                host = self.buffer("weights", end - base, fm.dtype, t.device)
+                copies.append((host, flat[base:end]))
             for s in layout.slots[lo:hi]:
                 share.weights.append((s.name, host[s.offset - base : s.end - base].view(s.shape)))
         buffers = t.buffers() if t.rank == 0 else {}
         for name, b in buffers.items():
-            host = self.buffer(f"buffer:{name}", b.numel(), b.dtype, t.device).view(b.shape)
-            copies.append((host, b.detach()))
+            host = b.detach().contiguous()
+            if staged:
+                host = self.buffer(f"buffer:{name}", b.numel(), b.dtype, t.device).view(b.shape)
+                copies.append((host, b.detach()))
             share.weights.append((name, host))
             share.buffer_bytes += b.numel() * b.element_size()
 
@@ -214,21 +226,28 @@ class _Writer:
             share.optim_range = (s0, e0)
             segments = sorted(view.segments, key=lambda g: g.start)
             for key, dtype in view.flat_keys.items():
-                host = self.buffer(f"optim:{key}", e0 - s0, dtype, t.device)
+                # The flat range [s0, e0): pieces of state tensors, zeros in between.
+                pieces: list[tuple[int, int, torch.Tensor | None]] = []
                 pos = s0
                 for seg in segments:
                     a, b = max(seg.start, s0), min(seg.end, e0)
                     if a >= b:
                         continue
                     if a > pos:
-                        copies.append((host[pos - s0 : a - s0], None))  # padding: zeros
+                        pieces.append((pos, a, None))  # padding, frozen parameters
                     src = view.source(seg, key)
                     part = None if src is None else src[a - seg.start : b - seg.start]
-                    copies.append((host[a - s0 : b - s0], part))
+                    pieces.append((a, b, part))
                     pos = b
                 if pos < e0:
-                    copies.append((host[pos - s0 :], None))
-                share.optim.append((key, host))
+                    pieces.append((pos, e0, None))
+                if staged:
+                    host = self.buffer(f"optim:{key}", e0 - s0, dtype, t.device)
+                    copies += [(host[a - s0 : b - s0], part) for a, b, part in pieces]
+                    share.optim.append((key, dtype, [host]))
+                else:
+                    direct = [b - a if part is None else part for a, b, part in pieces]
+                    share.optim.append((key, dtype, direct))
         scalars: tuple[dict[str, Any], str] = ({}, "")
         if view is not None:
             mine = view.scalars(len(layout))
@@ -387,12 +406,18 @@ def _write_files(t: Target, share: _Share, tmp: Path) -> dict[str, dict[str, Any
     if share.weights:
         name = model_file(t.rank, t.world)
         records[name] = write_safetensors(tmp / name, share.weights)
-    if share.optim:
-        s, e = share.optim_range
-        if e > s:
-            name = optim_file(t.rank, t.world)
-            meta = {"range": f"{s},{e}"}
-            records[name] = write_safetensors(tmp / name, share.optim, meta)
+    s, e = share.optim_range
+    if share.optim and e > s:
+        name = optim_file(t.rank, t.world)
+        entries = [(key, dtype, (e - s,)) for key, dtype, _ in share.optim]
+        with SafetensorsWriter(tmp / name, entries, {"range": f"{s},{e}"}) as out:
+            for _, dtype, pieces in share.optim:
+                for piece in pieces:
+                    if isinstance(piece, int):
+                        out.write_zeros(piece * dtype.itemsize)
+                    else:
+                        out.write_tensor(piece)
+            records[name] = out.finish()
     return {k: v.to_dict() for k, v in records.items()}
 
 
@@ -455,7 +480,7 @@ def save(
 
         path = torchshard.checkpoint.save("ckpt", trainer, step=100, optimizer=opt)
     """
-    return async_save(root, trainer, step=step, optimizer=optimizer, extra=extra).wait()
+    return _writer().save(Path(root), trainer, step, optimizer, extra, None, blocking=True).wait()
 
 
 class Checkpointer:
@@ -501,7 +526,9 @@ class Checkpointer:
         blocking: bool = False,
     ) -> CheckpointFuture:
         """Start a save (see :func:`async_save`); with ``blocking=True`` also wait for the commit."""
-        future = self._writer.save(self.root, trainer, step, optimizer, extra, self.keep_last)
+        future = self._writer.save(
+            self.root, trainer, step, optimizer, extra, self.keep_last, blocking=blocking
+        )
         if blocking:
             future.wait()
         return future

@@ -96,15 +96,22 @@ def _read_share(
     if optimizer is not None:
         assert meta.optim is not None
         takes_master = OptimizerView.of(optimizer, t.fm, t.trainer).has_master
+        # On CPU a replicated optimizer's state is read straight into full-size tensors:
+        # they only become live in load_state_dict, after every rank has succeeded.
+        full = t.device.type == "cpu" and optimizer is not t.sharded_optimizer
         for key, dtype in meta.optim.flat_state.items():
             if key == MASTER and not takes_master:
                 continue
-            host = torch.zeros(e - s, dtype=dtype, pin_memory=pin)
+            if full:
+                host = torch.zeros(layout.numel, dtype=dtype)
+                mine = host[s:e]
+            else:
+                host = mine = torch.zeros(e - s, dtype=dtype, pin_memory=pin)
             for file, fs, fe in meta.optim.files:
                 ov = overlap((fs, fe), (s, e))
                 if ov is not None:
                     a, b = ov
-                    readers[file].read_into(key, a - fs, b - fs, host[a - s : b - s])
+                    readers[file].read_into(key, a - fs, b - fs, mine[a - s : b - s])
             state[key] = host
     return {"range": (s, e), "weights": weights, "buffers": buffers, "optim": state}
 
@@ -137,7 +144,8 @@ def _apply(
     assert flat is not None
 
     def fill(full: torch.Tensor, mine: torch.Tensor) -> None:
-        full[s:e].copy_(mine, non_blocking=True)
+        if mine.data_ptr() != full[s:e].data_ptr():
+            full[s:e].copy_(mine, non_blocking=True)
         if t.world > 1:
             for q, (a, b) in enumerate(ranges):
                 if b > a:
@@ -160,6 +168,9 @@ def _apply(
     for key, host in share["optim"].items():
         if own:
             flat_state[key] = host.to(t.device, copy=True)
+        elif host.numel() == layout.numel:  # read in place (CPU): only the exchange is left
+            flat_state[key] = host
+            fill(host, host[s:e])
         else:
             flat_state[key] = torch.zeros(layout.numel, dtype=host.dtype, device=t.device)
             fill(flat_state[key], host)
