@@ -1,0 +1,447 @@
+"""Benchmark torchshard checkpoints against safetensors, dd and torch.distributed.checkpoint.
+
+    python benchmarks/bench_checkpoint.py [--size-gb 1.0] [--steps 10] [--repeats 3]
+                                          [--train-repeats 4]
+                                          [--dir /tmp] [--out benchmarks/results/checkpoint.json]
+
+State: a GPT (examples/gpt.py, n_embd 768, vocab 256, n_layer to fit) in fp32 with AdamW's
+exp_avg and exp_avg_sq, --size-gb in all, after real AdamW steps on 1 x --block tokens. All
+files go to one temporary directory under --dir; before every measurement its outputs are
+deleted, then ``sync`` and (where permitted) ``echo 3 > /proc/sys/vm/drop_caches``.
+
+1. Blocking save (world of one): ``checkpoint.save(root, fm, optimizer=opt)`` vs safetensors
+   ``save_file`` of the same tensors (cloned before timing) + fsync vs ``dd bs=64M`` of as many
+   bytes, ``conv=fsync`` and ``oflag=direct``. A warm-up round, then --repeats rounds in
+   rotating order; medians.
+2. Training time lost to one save: --steps steps with a save issued after step 2's
+   ``opt.step()`` and waited for after the last, minus the same steps without (all configs
+   in each of --train-repeats rounds, rotating). blocked = time in the save call + the
+   wait of the next ``opt.step()`` (step pre-hooks around torchshard's fence; "step diff":
+   that opt.step() minus its no-save twin). cpu+ = process CPU seconds over the no-save
+   loop. torchshard: ``Checkpointer.save``; DCP: ``dcp.async_save({"model", "optim"})`` on
+   a gloo world of one. One untimed save of each first (torchshard then reuses its staging
+   memory).
+3. Resume: save at world 2 (tests/multiprocess.py, gloo, 1 thread per rank), load at 2, 3, 1
+   (--repeats loads each, page cache dropped before each): max over ranks of
+   ``checkpoint.load``; bytes_read summed over ranks.
+4. Host memory, a fresh process each: peak RSS increase over the RSS before of a blocking
+   save, a load into a fresh optimizer, ``save_file``, DCP ``async_save``; the RSS after each
+   of 5 async ``Checkpointer`` saves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from _common import (
+    REPO,
+    PeakRSS,
+    add_examples_to_path,
+    fmt_bytes,
+    format_table,
+    machine_info,
+    median,
+    rss_bytes,
+    run_child,
+    write_json,
+)
+from safetensors.torch import save_file
+
+from torchshard import DistributedTrainer, FlatParamModule, checkpoint
+
+add_examples_to_path()
+sys.path.insert(0, str(REPO / "tests"))
+from gpt import GPT, GPTConfig, init_gpt_weights  # noqa: E402
+from multiprocess import run_distributed  # noqa: E402
+
+now = time.perf_counter
+SAVE_AT = 2  # the save is issued after this step's opt.step()
+
+
+def gpt_config(size_gb: float, block: int) -> GPTConfig:
+    n_layer = max(1, round(size_gb * 1e9 / 12 / (12 * 768 * 768)))  # 12 B per parameter
+    return GPTConfig(vocab_size=256, block_size=block, n_layer=n_layer, n_head=12, n_embd=768)
+
+
+def build(cfg: GPTConfig, distributed: bool = False):
+    """(trainer or fm, fm, AdamW): the GPT's weights in one flat fp32 CPU buffer."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    fm = FlatParamModule(model)
+    if distributed:
+        obj = DistributedTrainer(fm, init_fn=init_gpt_weights)
+    else:
+        obj = fm.bind(torch.empty(fm.numel), torch.zeros(fm.numel)).init_weights(init_gpt_weights)
+    opt = torch.optim.AdamW(fm.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    return obj, fm, opt
+
+
+def batch(block: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = torch.randint(0, 256, (1, block + 1), generator=torch.Generator().manual_seed(seed))
+    return idx[:, :-1], idx[:, 1:]
+
+
+def train_step(fm, opt, xy, trainer=None) -> None:
+    opt.zero_grad()
+    fm(*xy)[1].backward()
+    if trainer is not None:
+        trainer.average_gradients()
+    opt.step()
+
+
+def state_bytes(fm, opt) -> int:
+    st = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+    return fm.layout.param_numel * 4 + sum(v.numel() * v.element_size() for v in st)
+
+
+def weights_sum(fm) -> float:
+    return sum(float(p.detach().double().sum()) for p in fm.parameters())
+
+
+def cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def fresh(work: Path) -> None:
+    """Delete every output under ``work``, then sync and drop the page cache."""
+    for p in work.iterdir():
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    drop_caches()
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def dcp_save(fm, opt, path: Path):
+    """Start a DCP async save of the model and optimizer state dicts; returns its wait()."""
+    fut = dcp.async_save({"model": fm.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+    return getattr(fut, "upload_completion", fut).result
+
+
+# -- 1. blocking save -----------------------------------------------------------------------------
+def part_blocking(fm, opt, work: Path, repeats: int) -> dict:
+    tensors = {}  # separate contiguous copies, made before timing
+    for name, p in fm.module.named_parameters():
+        tensors[name] = p.detach().clone()
+        tensors.update({f"{name}.{k}": v.clone() for k, v in opt.state[p].items() if v.dim()})
+    count = -(-sum(t.numel() * t.element_size() for t in tensors.values()) // 2**26)
+
+    def safetensors_save() -> int:
+        save_file(tensors, str(work / "st.safetensors"))
+        fd = os.open(work / "st.safetensors", os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        return tree_bytes(work)
+
+    def dd(flag: str):
+        args = ["dd", "if=/dev/zero", f"of={work / 'dd.bin'}", "bs=64M", f"count={count}", flag]
+        return lambda: subprocess.run(args, check=True, capture_output=True) and count * 2**26
+
+    methods = {
+        "torchshard": lambda: tree_bytes(checkpoint.save(work / "ts", fm, step=1, optimizer=opt)),
+        "safetensors": safetensors_save,
+        "dd_fsync": dd("conv=fsync"),
+        "dd_direct": dd("oflag=direct"),
+    }
+    samples, written, names = defaultdict(list), {}, list(methods)
+    for rep in range(-1, repeats):  # round -1: warm-up (first touch of memory), not recorded
+        for name in names[rep % 4 :] + names[: rep % 4]:
+            fresh(work)
+            t0 = now()
+            written[name] = methods[name]()
+            if rep >= 0:
+                samples[name].append(now() - t0)
+    fresh(work)
+    med = {k: median(v) for k, v in samples.items()}
+    gbps = {k: written[k] / med[k] / 1e9 for k in med}
+    return {"samples_s": samples, "median_s": med, "bytes_written": written, "gb_per_s": gbps}
+
+
+# -- 2. training time lost to one checkpoint --------------------------------------------------------
+def part_training(fm, opt, work: Path, cfg: GPTConfig, steps: int, repeats: int) -> dict:
+    batches = [batch(cfg.block_size, 100 + i) for i in range(steps)]
+    starts = {"none": None}
+    ckpt = checkpoint.Checkpointer(work / "ts", keep_last=None)
+    starts["torchshard"] = lambda i: ckpt.save(fm, step=i, optimizer=opt).wait
+    dcp_error = None
+    try:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        starts["dcp"] = lambda i: dcp_save(fm, opt, work / f"dcp-{i}")
+    except Exception as e:  # reported; DCP is left out
+        dcp_error = f"{type(e).__name__}: {e}"
+    marks: dict[str, float] = {}
+    opt.register_step_pre_hook(lambda *_: marks.__setitem__("enter", now()))
+    for name in list(starts)[1:]:  # warm-up; from here torchshard's fence hook is registered
+        starts[name](0)()
+    opt.register_step_pre_hook(lambda *_: marks.__setitem__("fenced", now()))
+
+    def loop(start) -> dict:
+        rec: dict = {"step_s": [], "opt_step_s": [], "fence_wait_s": [], "save_call_s": 0.0}
+        wait, t_start, cpu0 = None, now(), cpu_s()
+        for i, xy in enumerate(batches):
+            t0 = now()
+            opt.zero_grad()
+            fm(*xy)[1].backward()
+            t1 = now()
+            opt.step()
+            rec["step_s"].append(now() - t0)
+            rec["opt_step_s"].append(now() - t1)
+            rec["fence_wait_s"].append(marks["fenced"] - marks["enter"])
+            if i == SAVE_AT and start is not None:
+                t0 = now()
+                wait = start(i)
+                rec["save_call_s"] = now() - t0
+        t0 = now()
+        if wait:
+            wait()
+        rec.update(final_wait_s=now() - t0, total_s=now() - t_start, cpu_s=cpu_s() - cpu0)
+        return rec
+
+    rounds, names = [], list(starts)
+    for rep in range(repeats):
+        recs = {}
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            fresh(work)
+            recs[name] = loop(starts[name])
+        rounds.append(recs)
+    ckpt.close()
+    fresh(work)
+    med = {}
+    for name in names:
+        per = [derived(r[name], r["none"]) for r in rounds]
+        med[name] = {k: median([d[k] for d in per]) for k in per[0]}
+        med[name]["lost_range"] = [min(d["lost"] for d in per), max(d["lost"] for d in per)]
+    return {"dcp_error": dcp_error, "rounds": rounds, "median_s": med}
+
+
+def derived(a: dict, b: dict) -> dict:
+    """One round's figures: loop ``a`` (with a save) against its no-save twin ``b``."""
+    n, call = SAVE_AT + 1, a["save_call_s"]
+    return {"step": median(a["step_s"]), "total": a["total_s"], "lost": a["total_s"] - b["total_s"],
+            "cpu_added": a["cpu_s"] - b["cpu_s"], "save_call": call,
+            "fence_wait": a["fence_wait_s"][n], "blocked": call + a["fence_wait_s"][n],
+            "blocked_step_diff": call + a["opt_step_s"][n] - b["opt_step_s"][n],
+            "final_wait": a["final_wait_s"]}  # fmt: skip
+
+
+# -- 3. resume at another world size (rank_* run in each rank) ----------------------------------------
+def rank_save(root: str, cfg: dict) -> dict:
+    trainer, fm, opt = build(GPTConfig(**cfg), distributed=True)
+    train_step(fm, opt, batch(cfg["block_size"], dist.get_rank()), trainer)
+    dist.barrier()
+    t0 = now()
+    checkpoint.save(root, trainer, step=1, optimizer=opt)
+    return {"save_s": now() - t0, "weights_sum": weights_sum(fm)}
+
+
+def rank_load(root: str, cfg: dict, repeats: int) -> dict:
+    trainer, fm, opt = build(GPTConfig(**cfg), distributed=True)
+    times, read, cold = [], [], None
+    for _ in range(repeats):
+        dist.barrier()
+        cold = drop_caches() if dist.get_rank() == 0 else None
+        dist.barrier()
+        t0 = now()
+        info = checkpoint.load(root, trainer, optimizer=opt)
+        times.append(now() - t0)
+        read.append(info.bytes_read)
+    return {"load_s": times, "bytes_read": read, "cold": cold, "weights_sum": weights_sum(fm)}
+
+
+def part_resume(work: Path, cfg: GPTConfig, repeats: int) -> dict:
+    root, kw = str(work / "resume"), dict(cfg.__dict__)
+    out: dict = {"save_ranks": run_distributed(rank_save, 2, root, kw, timeout=600), "loads": {}}
+    path = sorted(Path(root).glob("step-*"))[-1]
+    out["checkpoint_bytes"] = tree_bytes(path)
+    out["files"] = {f.name: f.stat().st_size for f in sorted(path.iterdir())}
+    for world in (2, 3, 1):
+        ranks = run_distributed(rank_load, world, root, kw, repeats, timeout=600)
+        times = [max(r["load_s"][i] for r in ranks) for i in range(repeats)]
+        read = sum(r["bytes_read"][-1] for r in ranks)
+        out["loads"][world] = {"max_over_ranks_s": times, "median_s": median(times),
+                               "bytes_read_sum": read, "read_ratio": read / out["checkpoint_bytes"],
+                               "cold_cache": ranks[0]["cold"], "ranks": ranks}  # fmt: skip
+    shutil.rmtree(root)
+    return out
+
+
+# -- 4. peak host memory (one fresh process each) -----------------------------------------------------
+def child(kind: str, opts: argparse.Namespace) -> dict:
+    cfg = gpt_config(opts.size_gb, opts.block)
+    fm, _, opt = build(cfg)
+    work = Path(opts.dir)
+    if kind != "load":
+        train_step(fm, opt, batch(cfg.block_size, 0))
+    out: dict = {"kind": kind}
+    if kind == "repeat":
+        ckpt, rss = checkpoint.Checkpointer(work, keep_last=1), []
+        for i in range(5):
+            future = ckpt.save(fm, step=i, optimizer=opt)
+            opt.step()  # waits for the staging copy
+            future.wait()
+            rss.append(rss_bytes())
+        ckpt.close()
+        return {**out, "rss_after_each_save": rss}
+    if kind == "safetensors":
+        sd = {f"{i}": p.detach().clone() for i, p in enumerate(fm.parameters())}
+        sd.update({f"{i}.{k}": v.clone() for i, s in enumerate(opt.state.values())
+                   for k, v in s.items() if v.dim()})  # fmt: skip
+    if kind == "dcp":
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with PeakRSS() as m:
+        if kind == "save":
+            checkpoint.save(work, fm, step=1, optimizer=opt)
+        elif kind == "load":
+            checkpoint.load(opts.ckpt, fm, optimizer=opt)
+        elif kind == "safetensors":
+            save_file(sd, str(work / "mem.safetensors"))
+        elif kind == "dcp":
+            dcp_save(fm, opt, work / "dcp")()
+    return {**out, "state_bytes": state_bytes(fm, opt), "rss_before": m.before,
+            "peak_increase": m.increase, "rss_after": m.after, "exact": m.exact}  # fmt: skip
+
+
+def part_memory(work: Path, opts: argparse.Namespace, ckpt: Path) -> dict:
+    out = {}
+    for kind in ("save", "load", "safetensors", "dcp", "repeat"):
+        (work / kind).mkdir()
+        args = ["--size-gb", str(opts.size_gb), "--block", str(opts.block), "--ckpt", str(ckpt)]
+        out[kind] = run_child(__file__, ["--child", kind, "--dir", str(work / kind), *args])
+        shutil.rmtree(work / kind)
+    return out
+
+
+# -- report --------------------------------------------------------------------------------------------
+def span(xs: list[float]) -> str:
+    return f"{min(xs):.2f}-{max(xs):.2f}"
+
+
+def report(r: dict) -> dict:
+    b, t, res, mem, n = r["blocking"], r["training"], r["resume"], r["memory"], r["args"]["repeats"]
+    med = b["median_s"]
+    labels = {"torchshard": "torchshard.checkpoint.save", "safetensors": "save_file + fsync",
+              "dd_fsync": "dd bs=64M conv=fsync", "dd_direct": "dd bs=64M oflag=direct"}  # fmt: skip
+    rows = [(v, f"{med[k]:.2f}", span(b["samples_s"][k]), f"{b['gb_per_s'][k]:.2f}",
+             f"{med[k] / med['safetensors']:.2f}") for k, v in labels.items()]  # fmt: skip
+    title = f"\n{fmt_bytes(r['state_bytes'])}: {r['model']}; {r['fs']}; median of {n}"
+    print(format_table(["1. blocking save", "s", "min-max", "GB/s", "/ save_file"], rows, title))
+    tm, blk = t["median_s"], med["torchshard"]
+    keys = ("cpu_added", "save_call", "fence_wait", "blocked", "blocked_step_diff")
+    rows = [(k, f"{v['step']:.2f}", f"{v['total']:.2f}", f"{v['lost']:.2f}", span(v["lost_range"]),
+             *(f"{v[c]:.2f}" for c in keys), f"{v['lost'] / blk:.2f}", f"{v['blocked'] / blk:.3f}")
+            for k, v in tm.items()]  # fmt: skip
+    heads = ["2. training (s)", "step", "loop", "lost", "min-max", "cpu+", "save()", "fence",
+             "blocked", "step diff", "lost/blk", "blocked/blk"]  # fmt: skip
+    title = (f"\n{r['args']['steps']} steps of 1x{r['args']['block']} tokens, save after step "
+             f"{SAVE_AT}; median of {r['args']['train_repeats']} paired rounds; blk = blocking save {blk:.2f} s"
+             + (f"\nDCP failed: {t['dcp_error']}" if t["dcp_error"] else ""))  # fmt: skip
+    print(format_table(heads, rows, title))
+    same = res["loads"][2]["median_s"]
+    rows = [(f"load at world {w}", f"{x['median_s']:.2f}", span(x["max_over_ranks_s"]),
+             f"{x['median_s'] / same:.2f}",
+             fmt_bytes(x["bytes_read_sum"]), f"{x['read_ratio']:.3f}",
+             "cold" if x["cold_cache"] else "warm") for w, x in res["loads"].items()]  # fmt: skip
+    save2 = max(s["save_s"] for s in res["save_ranks"])
+    title = (f"\ncheckpoint {fmt_bytes(res['checkpoint_bytes'])} saved at world 2 in {save2:.2f} s;"
+             f" load: max over ranks, median of {n}")  # fmt: skip
+    print(
+        format_table(
+            ["3. resume", "s", "min-max", "/ same", "read", "/ ckpt", "cache"], rows, title
+        )
+    )
+    rows = [(k, fmt_bytes(m["peak_increase"]), fmt_bytes(m["rss_after"] - m["rss_before"]),
+             f"{m['peak_increase'] / m['state_bytes']:.2f}")
+            for k, m in mem.items() if k != "repeat"]  # fmt: skip
+    rss = mem["repeat"]["rss_after_each_save"]
+    title = f"\nfresh process each; RSS after async saves 1-5: {', '.join(map(fmt_bytes, rss))}"
+    print(format_table(["4. host memory", "peak RSS +", "kept", "/ state"], rows, title))
+    dcp_lost = tm["dcp"]["lost"] if "dcp" in tm else None
+    ratios = {
+        "blocking save torchshard / save_file (<= 1.1)": med["torchshard"] / med["safetensors"],
+        "  the same, fastest sample of each": min(b["samples_s"]["torchshard"])
+        / min(b["samples_s"]["safetensors"]),
+        "lost torchshard / blocking save (<= 0.1)": tm["torchshard"]["lost"] / blk,
+        "blocked torchshard / blocking save (<= 0.05)": tm["torchshard"]["blocked"] / blk,
+        "lost torchshard / lost DCP (<= 0.5)": dcp_lost and tm["torchshard"]["lost"] / dcp_lost,
+        "load world 3 / world 2 (<= 1.3)": res["loads"][3]["median_s"] / same,
+        "  the same, fastest load of each": min(res["loads"][3]["max_over_ranks_s"])
+        / min(res["loads"][2]["max_over_ranks_s"]),
+        "bytes read / checkpoint, max (<= 1.05)": max(x["read_ratio"] for x in res["loads"].values()),
+        "RSS after save 5 / after save 2": rss[4] / rss[1],
+    }  # fmt: skip
+    print("\n" + "\n".join(f"{k}: {v:.3f}" for k, v in ratios.items() if v is not None))
+    return ratios
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--size-gb", type=float, default=1.0, help="weights + AdamW state, GB")
+    p.add_argument("--block", type=int, default=32, help="tokens per training step (batch 1)")
+    p.add_argument("--steps", type=int, default=10, help="training steps per loop (part 2)")
+    p.add_argument("--repeats", type=int, default=3, help="parts 1 and 3")
+    p.add_argument("--train-repeats", type=int, default=4, help="paired rounds of part 2")
+    p.add_argument("--dir", default="/tmp", help="where the temporary directory goes")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "checkpoint.json"))
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--ckpt", help=argparse.SUPPRESS)
+    opts = p.parse_args()
+    if opts.child:
+        print(json.dumps(child(opts.child, opts)))
+        return
+    t_start, machine = now(), machine_info()
+    work = Path(tempfile.mkdtemp(prefix="bench_checkpoint-", dir=opts.dir))
+    try:
+        cfg = gpt_config(opts.size_gb, opts.block)
+        _, fm, opt = build(cfg)
+        for i in range(2):  # AdamW state exists
+            train_step(fm, opt, batch(cfg.block_size, i))
+        df = subprocess.run(["df", "-T", str(work)], capture_output=True, text=True).stdout
+        dev, fstype = df.splitlines()[-1].split()[:2]
+        r: dict = {"benchmark": "checkpoint", "machine": machine, "args": vars(opts), "df": df,
+                   "fs": f"{work} on {dev} ({fstype})", "drop_caches": drop_caches(),
+                   "state_bytes": state_bytes(fm, opt), "model": f"GPT n_layer={cfg.n_layer} "
+                   f"n_embd=768, {fm.layout.param_numel / 1e6:.1f}M params + AdamW"}  # fmt: skip
+        r["blocking"] = part_blocking(fm, opt, work, opts.repeats)
+        r["training"] = part_training(fm, opt, work, cfg, opts.steps, opts.train_repeats)
+        keep = checkpoint.save(work / "keep", fm, step=1, optimizer=opt)  # for the load child
+        del fm, opt
+        r["resume"] = part_resume(work, cfg, opts.repeats)
+        r["memory"] = part_memory(work, opts, keep)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    r["ratios"] = report(r)
+    r["loadavg_end"], r["total_s"] = list(os.getloadavg()), now() - t_start
+    load = ", ".join(f"{x:.1f}" for x in machine["loadavg"])
+    cache = "dropped before each" if r["drop_caches"] else "not droppable: warm-cache numbers"
+    print(f"\nloadavg {load} at start, {', '.join(f'{x:.1f}' for x in r['loadavg_end'])} at end "
+          f"({machine['cpu_count']} CPUs); page cache {cache}; total {r['total_s']:.0f} s")  # fmt: skip
+    print(f"wrote {write_json(opts.out, r)}")
+
+
+if __name__ == "__main__":
+    main()
