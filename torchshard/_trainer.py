@@ -186,6 +186,8 @@ class DistributedTrainer:
 
     def _bind(self, fm: FlatParamModule, init_fn: Callable[[torch.nn.Module], None] | None) -> None:
         n = self.padded_numel
+        self._mask_store: torch.Tensor | None = None  # [used mask, padded | flat gradient]
+        self._mask: torch.Tensor | None = None
         if fm.is_bound:
             if fm.device != self.device:
                 fm.to(self.device)
@@ -200,8 +202,15 @@ class DistributedTrainer:
         was_meta = any(p.is_meta for p in fm.module.parameters())
         flat = torch.empty(n, dtype=fm.dtype, device=self.device)
         flat[fm.numel :].zero_()  # padding: all-gathered and checkpointed, so defined
-        grad = torch.zeros(n, dtype=fm.dtype, device=self.device)
-        fm.bind(flat, grad)
+        # Replicated: the used-parameter mask sits just before the gradient, so it rides
+        # in the all-reduce of the bucket that starts at 0 (always launched last).
+        n_mask = sum(s.requires_grad for s in fm.layout.slots)
+        align = fm.layout.align_bytes // fm.layout.torch_dtype.itemsize
+        k = 0 if self.shard or self.world_size == 1 else -(-n_mask // align) * align
+        store = torch.zeros(k + n, dtype=fm.dtype, device=self.device)
+        fm.bind(flat, store[k:])
+        if k:
+            self._mask_store, self._mask = store, store[:n_mask]
         if was_meta:
             fm.init_weights(init_fn)
 
@@ -210,6 +219,7 @@ class DistributedTrainer:
         layout = self.module.layout
         buffers = [[n, list(b.shape), str(b.dtype)] for n, b in self.module.module.named_buffers()]
         mine = layout.fingerprint() + hashlib.sha256(json.dumps(buffers).encode()).hexdigest()[:32]
+        mine += "m" if self._mask_store is not None else "-"
         everyone = exchange_bytes(mine.encode(), self._group, self.device)
         bad = [r for r, fp in enumerate(everyone) if fp != everyone[src]]
         if not bad:
@@ -237,6 +247,7 @@ class DistributedTrainer:
 
     # -- gradient averaging --------------------------------------------------------------
     def _reset_step(self) -> None:
+        self._mask_sent = False
         self._ready = [False] * len(self.module.layout)
         self._pending = [b.trainable for b in self._buckets]
         self._next = 0
@@ -279,6 +290,13 @@ class DistributedTrainer:
                 dst = self._global(self._owner[bucket.index])
                 work = dist.reduce(view, dst, group=self._group, async_op=True)
             else:
+                if self._mask_store is not None and bucket.start == 0:
+                    # Buckets launch in order, so every parameter that gets a gradient
+                    # this step has it now: the mask is final.
+                    used = [self._params[i].grad is not None for i in self._trainable]
+                    self._mask.copy_(torch.tensor(used, dtype=self._mask.dtype))
+                    view = self._mask_store[: self._mask_store.numel() - grad.numel() + bucket.end]
+                    self._mask_sent = True
                 work = dist.all_reduce(view, group=self._group, async_op=True)
             self._works.append(work)
         self._launched_in_backward += in_backward
@@ -304,8 +322,11 @@ class DistributedTrainer:
         if self.world_size > 1:
             # Which parameters have a gradient anywhere: one small all-reduce,
             # always issued last so the order is the same on every rank.
-            mask = torch.tensor(used, dtype=torch.int32, device=self.device)
-            self._works.append(dist.all_reduce(mask, group=self._group, async_op=True))
+            if self._mask_sent:
+                mask = self._mask
+            else:
+                mask = torch.tensor(used, dtype=torch.int32, device=self.device)
+                self._works.append(dist.all_reduce(mask, group=self._group, async_op=True))
             t0 = time.perf_counter()
             for work in self._works:
                 work.wait()
