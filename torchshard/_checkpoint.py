@@ -1,8 +1,9 @@
 """Sharded checkpoints: per-rank safetensors shards, written in the background, committed atomically.
 
-A save stages this rank's share (its run of whole parameters, its flat range
-of optimizer state) into host memory that is reused across saves, then a
-background thread writes and fsyncs the files into ``ROOT/.tmp-step-N``.
+An async save stages this rank's share (its run of whole parameters, its flat
+range of optimizer state) into host memory that is reused across saves, then a
+background thread writes and fsyncs the files into ``ROOT/.tmp-step-N``; a
+blocking save on CPU writes straight from the live tensors instead.
 Rank 0 waits until every rank's files are durable (through the process
 group's store, never a collective from the background thread), writes
 ``metadata.json`` last, and renames the directory to ``ROOT/step-N``: the
@@ -475,6 +476,9 @@ def save(
     extra: dict[str, Any] | None = None,
 ) -> Path:
     """Save a checkpoint and wait until it is committed; returns its directory.
+
+    On CPU the files are written straight from the live tensors: no staging
+    copy, no host memory kept afterwards.
 
     Example::
 
