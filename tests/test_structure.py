@@ -35,22 +35,10 @@ ALLOWED = {
         "_safetensors",
         "_trainer",
     },
-    "_checkpoint": {
-        "_ckpt_format",
-        "_ckpt_load",
-        "_ckpt_optim",
-        "_ckpt_target",
-        "_dist",
-        "_errors",
-        "_flat_module",
-        "_layout",
-        "_reshard",
-        "_safetensors",
-        "_trainer",
-    },
     "_ckpt_tools": {"_ckpt_format", "_errors", "_layout", "_reshard", "_safetensors"},
     "_cli": {"__init__", "_ckpt_tools", "_errors", "_layout"},
 }
+ALLOWED["_checkpoint"] = ALLOWED["_ckpt_load"] | {"_ckpt_load"}  # save: load's world, and load
 # The trainer side never reaches into checkpointing.
 CHECKPOINT = {m for m in ALLOWED if m.startswith("_ck") or m == "_checkpoint"}
 
