@@ -14,7 +14,8 @@ ALLOWED = {
     "_errors": set(),
     "_layout": {"_errors"},
     "_buckets": {"_layout"},
-    "_flat_module": {"_errors", "_layout"},
+    "_flat_module": {"_errors", "_hf", "_layout"},
+    "_hf": set(),
     "_dist": {"_errors"},
     "_trainer": {"_buckets", "_dist", "_errors", "_flat_module", "_layout", "_memory", "_reshard"},
     "_reshard": {"_layout"},
@@ -38,7 +39,8 @@ ALLOWED = {
     "_ckpt_tools": {"_ckpt_format", "_errors", "_layout", "_reshard", "_safetensors"},
     "_cli": {"__init__", "_ckpt_tools", "_errors", "_layout"},
 }
-ALLOWED["_checkpoint"] = ALLOWED["_ckpt_load"] | {"_ckpt_load"}  # save: load's world, and load
+# save: load's world, load itself, and a transformers model's config
+ALLOWED["_checkpoint"] = ALLOWED["_ckpt_load"] | {"_ckpt_load", "_hf"}
 # The trainer side never reaches into checkpointing.
 CHECKPOINT = {m for m in ALLOWED if m.startswith("_ck") or m == "_checkpoint"}
 

@@ -43,6 +43,7 @@ from ._ckpt_target import CheckpointInfo, Target
 from ._dist import exchange_bytes
 from ._errors import CheckpointError
 from ._flat_module import FlatParamModule
+from ._hf import transformers_config
 from ._layout import dtype_name
 from ._reshard import element_ranges, weight_shards
 from ._safetensors import FileRecord, SafetensorsWriter, write_safetensors
@@ -269,7 +270,10 @@ class _Writer:
                     "scalar_state": scalars[0],
                     "stateful": scalars[1],
                 }
-            share.metadata = build_metadata(layout, t.world, step, list(buffers), optim_meta, extra)
+            config = transformers_config(t.fm.module, layout.torch_dtype)
+            share.metadata = build_metadata(
+                layout, t.world, step, list(buffers), optim_meta, extra, config
+            )
 
         def stage() -> None:
             if t.device.type == "cuda":

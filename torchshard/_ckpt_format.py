@@ -190,6 +190,9 @@ class Metadata:
     optim: OptimMeta | None
     extra: dict[str, Any]
     raw: dict[str, Any]
+    model_config: dict[str, Any] | None = (
+        None  # a transformers model's config.json, when saved from one
+    )
 
     def file_path(self, name: str) -> Path:
         return self.path / name
@@ -242,6 +245,11 @@ def read_metadata(path: Path) -> Metadata:
         extra = raw.get("extra") or {}
         if not isinstance(extra, dict):
             raise TypeError(f"extra: expected a JSON object, got {type(extra).__name__}")
+        model_config = raw.get("model_config")
+        if model_config is not None and not isinstance(model_config, dict):
+            raise TypeError(
+                f"model_config: expected a JSON object or null, got {type(model_config).__name__}"
+            )
         meta = Metadata(
             path=path,
             step=int(raw["step"]),
@@ -253,6 +261,7 @@ def read_metadata(path: Path) -> Metadata:
             optim=optim,
             extra=extra,
             raw=raw,
+            model_config=model_config,
         )
     except CheckpointError:
         raise
@@ -359,6 +368,7 @@ def build_metadata(
     buffers: list[str],
     optimizer: dict[str, Any] | None,
     extra: dict[str, Any],
+    model_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``metadata.json`` of a save at ``world_size``, without ``files`` (pure: no tensors).
 
@@ -381,6 +391,7 @@ def build_metadata(
         },
         "optimizer": None,
         "extra": extra,
+        "model_config": model_config,
     }
     if optimizer is not None:
         align = layout.align_bytes // layout.torch_dtype.itemsize

@@ -396,23 +396,34 @@ def consolidate(
     aliases: bool = False,
     progress: Progress | None = None,
 ) -> Consolidated:
-    """Write the checkpoint's weights as one standard safetensors file with state-dict names.
+    """Export the checkpoint's weights: one safetensors file, or a transformers model directory.
 
-    Each parameter is written once under its first name; a tied parameter's
-    other names are left out (as transformers stores tied weights), so load
-    with ``strict=False`` (the missing keys are exactly the aliases, filled
-    through the shared ``Parameter``), or pass ``aliases=True`` to write a
-    copy under every name. Module buffers are included. Streams block by
-    block, verifying checksums; the file appears (atomically) only when
-    complete.
+    ``out`` ending in ``.safetensors``: one standard file with state-dict
+    names. Each parameter is written once under its first name; a tied
+    parameter's other names are left out (as transformers stores tied
+    weights), so load with ``strict=False`` (the missing keys are exactly the
+    aliases, filled through the shared ``Parameter``), or pass
+    ``aliases=True`` to write a copy under every name. Module buffers are
+    included.
+
+    Any other ``out`` (a new or empty directory): ``config.json`` plus
+    ``model.safetensors``, which ``AutoModelForCausalLM.from_pretrained(out)``
+    loads. Needs the model's transformers config in the checkpoint: a save
+    from a ``FlatParamModule`` that wraps a transformers model stores it.
+
+    Streams block by block, verifying checksums; the file or directory
+    appears (atomically) only when complete.
 
     Example::
 
         consolidate("runs/gpt", "gpt.safetensors")
         model.load_state_dict(safetensors.torch.load_file("gpt.safetensors"), strict=False)
+        consolidate("runs/llama", "llama-hf")      # AutoModelForCausalLM.from_pretrained("llama-hf")
     """
     meta, _ = _open(path)
     out = Path(out)
+    if out.suffix != ".safetensors":
+        return _consolidate_dir(meta, out, aliases, progress or Progress())
     if out.is_dir():
         raise ArgumentError(f"{out}: is a directory; expected an output file name")
     if not out.parent.is_dir():
@@ -421,9 +432,58 @@ def consolidate(
         raise ArgumentError(
             f"{out}: would write into the checkpoint {meta.path}; choose another place"
         )
-    layout, readers = meta.layout, Readers(meta)
-    progress = progress or Progress()
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        done = _consolidate_file(meta, tmp, aliases, progress or Progress(), out.name)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(out.parent)
+    return Consolidated(out, *done)
+
+
+def _consolidate_dir(meta: Metadata, out: Path, aliases: bool, progress: Progress) -> Consolidated:
+    """``out/config.json`` + ``out/model.safetensors``, committed by renaming a temporary directory."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ArgumentError(
+            f"{out}: already exists and is not an empty directory; choose a new directory"
+        )
+    if meta.model_config is None:
+        raise ArgumentError(
+            f"{out}: exporting a transformers model directory needs the model's config, and "
+            f"{meta.path} carries none (it was saved from a model that is not a transformers "
+            "PreTrainedModel); write one file instead: give OUT a .safetensors name"
+        )
+    if not out.parent.is_dir():
+        raise ArgumentError(f"{out.parent}: no such directory for the output directory")
+    if meta.path.resolve() in (out.resolve(), *out.resolve().parents):
+        raise ArgumentError(f"{out}: is inside the checkpoint {meta.path}; choose another place")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        done = _consolidate_file(meta, tmp / "model.safetensors", aliases, progress, out.name)
+        config = tmp / "config.json"
+        config.write_text(json.dumps(meta.model_config, indent=2, sort_keys=True) + "\n")
+        with open(config, "rb") as f:
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(out.parent)
+    return Consolidated(out, *done)
+
+
+def _consolidate_file(
+    meta: Metadata, dest: Path, aliases: bool, progress: Progress, label: str
+) -> tuple[int, int, int, dict[str, str]]:
+    """Stream every parameter (and buffer) into the safetensors file ``dest``."""
+    layout, readers = meta.layout, Readers(meta)
     try:
         tensors = []
         for w in meta.weights:
@@ -440,19 +500,13 @@ def consolidate(
                 _OutTensor(name, dtype, shape, (_Piece(file, name, 0, math.prod(shape)),))
             )
         progress.start(f"consolidate {meta.path.name}", sum(t.nbytes for t in tensors))
-        progress.file(out.name)
-        try:
-            record = _stream_file(tmp, tensors, None, readers, _Staging(), progress)
-            os.replace(tmp, out)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(out.parent)
+        progress.file(label)
+        record = _stream_file(dest, tensors, None, readers, _Staging(), progress)
     finally:
         readers.close()
         progress.close()
     tied = {} if aliases else {a: s.name for s in layout for a in s.aliases}
-    return Consolidated(out, meta.step, len(tensors), record.size, tied)
+    return meta.step, len(tensors), record.size, tied
 
 
 # -- reshard ---------------------------------------------------------------------------

@@ -167,7 +167,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_consolidate(args: argparse.Namespace) -> int:
     done = consolidate(args.path, args.out, aliases=args.with_aliases, progress=_StderrProgress())
     print(f"wrote {done.path}: step {done.step}, {done.tensors} tensors, {done.nbytes:,} bytes")
-    if done.tied:
+    if done.path.is_dir():
+        print(f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(done.path)!r})")
+    elif done.tied:
         tied = ", ".join(f"{a} (= {n})" for a, n in done.tied.items())
         print(
             f"tied parameters stored once, without {tied}: load with "
@@ -219,13 +221,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.set_defaults(run=_cmd_inspect, error_status=1)
     p = sub.add_parser(
         "consolidate",
-        help="write the weights as one standard safetensors file",
-        description="Write the model's weights and buffers as one safetensors file with its "
-        "state-dict names. A tied parameter is stored once, under its first name (as "
-        "transformers does): load with load_state_dict(sd, strict=False).",
+        help="export the weights: one safetensors file, or a transformers model directory",
+        description="OUT.safetensors: write the model's weights and buffers as one safetensors "
+        "file with its state-dict names; a tied parameter is stored once, under its first name "
+        "(as transformers does): load with load_state_dict(sd, strict=False). Any other OUT: a "
+        "new directory with config.json and model.safetensors that transformers' "
+        "AutoModelForCausalLM.from_pretrained(OUT) loads (the checkpoint must have been saved "
+        "from a transformers model, which stores its config).",
     )
     p.add_argument("path", metavar="PATH", help=ckpt_help)
-    p.add_argument("out", metavar="OUT", help="the output .safetensors file")
+    p.add_argument(
+        "out", metavar="OUT", help="the output .safetensors file, or a new directory"
+    )
     p.add_argument(
         "--with-aliases",
         action="store_true",

@@ -9,6 +9,12 @@ import torch
 from torch import nn
 
 from ._errors import BindError, TorchShardError
+from ._hf import (
+    clear_init_flags,
+    init_transformers_model,
+    is_transformers_model,
+    restore_declared_ties,
+)
 from ._layout import FlatLayout, ParamSlot
 
 __all__ = ["FlatParamModule"]
@@ -44,12 +50,18 @@ class FlatParamModule(nn.Module):
         if not isinstance(module, nn.Module):
             raise TorchShardError(f"module: expected an nn.Module, got {type(module).__name__}")
         super().__init__()
+        if is_transformers_model(module):
+            # accelerate.init_empty_weights() unties e.g. lm_head.weight from the embedding.
+            restore_declared_ties(module)
         self.module = module
         self.layout: FlatLayout = FlatLayout.from_module(
             module, dtype=dtype, align_bytes=align_bytes
         )
         self._flat: torch.Tensor | None = None
         self._grad: torch.Tensor | None = None
+        # Buffers built on meta, materialized as zeros by bind() and not written since:
+        # name -> (the tensor, its version counter at bind).
+        self._unset_buffers: dict[str, tuple[torch.Tensor, int]] = {}
 
     # -- properties -------------------------------------------------------------
     @property
@@ -154,12 +166,15 @@ class FlatParamModule(nn.Module):
                 for name in slot.names:
                     owners.set(name, new)
                 del old, new  # release the old storage now, not at the end of the loop
-            for m in self.module.modules():
+            for prefix, m in self.module.named_modules(remove_duplicate=False):
                 for key, buf in m._buffers.items():
                     if buf is None or buf.device == flat.device:
                         continue
                     if buf.device.type == "meta":
-                        m._buffers[key] = torch.zeros_like(buf, device=flat.device)
+                        new_buf = torch.zeros_like(buf, device=flat.device)
+                        name = f"{prefix}.{key}" if prefix else key
+                        self._unset_buffers[name] = (new_buf, new_buf._version)
+                        m._buffers[key] = new_buf
                     else:
                         m._buffers[key] = buf.to(flat.device)
         self._flat, self._grad = flat, grad if trains else None
@@ -188,28 +203,50 @@ class FlatParamModule(nn.Module):
     # -- initialization -----------------------------------------------------------
     @torch.no_grad()
     def init_weights(self, fn: Callable[[nn.Module], None] | None = None) -> FlatParamModule:
-        """Initialize the bound weights in place.
+        """Initialize the bound weights (and buffers built on meta) in place.
 
-        By default calls ``reset_parameters()`` of every submodule that has
-        one (this also resets e.g. BatchNorm running statistics); with ``fn``,
-        applies it to every submodule like ``nn.Module.apply`` (the convention
-        of transformers' ``_init_weights``). ``fn`` must write in place;
-        replacing a parameter raises :class:`TorchShardError`.
+        By default each part of the model is initialized its own way: a
+        transformers model (``PreTrainedModel``, also nested in another
+        module) by its ``initialize_weights()``, i.e. its ``_init_weights``
+        for every submodule, including rotary ``inv_freq`` buffers; every
+        other submodule by its ``reset_parameters()`` when it has one (this
+        also resets e.g. BatchNorm running statistics). With ``fn``, applies
+        it to every submodule like ``nn.Module.apply`` (the convention of
+        transformers' ``_init_weights``). ``fn`` must write in place;
+        replacing a parameter raises :class:`TorchShardError`, and so does a
+        buffer built on meta that nothing wrote (its zeros would be silently
+        wrong, e.g. rotary frequencies).
 
         Example::
 
             fm.init_weights(lambda m: isinstance(m, nn.Linear) and nn.init.zeros_(m.bias))
         """
         self._require_bound("init_weights()")
+        clear_init_flags(self.module)  # transformers skips tensors it marked as initialized
         if fn is not None:
             self.module.apply(fn)
         else:
-            for m in self.module.modules():
-                reset = getattr(m, "reset_parameters", None)
-                if callable(reset):
-                    reset()
+            _init_own_way(self.module)
         self.check_views()
+        self._check_buffers_written()
         return self
+
+    def _check_buffers_written(self) -> None:
+        unset = []
+        for name, buf in self.module.named_buffers(remove_duplicate=False):
+            rec = self._unset_buffers.get(name)
+            if rec is not None and rec[0] is buf and rec[1] == buf._version:
+                unset.append(name)
+        self._unset_buffers = {}
+        if unset:
+            raise TorchShardError(
+                f"buffer {unset[0]!r}"
+                + (f" (and {len(unset) - 1} more)" if len(unset) > 1 else "")
+                + " was built on the meta device and no initializer wrote it, so it holds "
+                "zeros instead of the values its module computes at construction; build the "
+                "model under accelerate.init_empty_weights() (parameters on meta, buffers "
+                "real), or write the buffer in the init function"
+            )
 
     def check_views(self) -> None:
         """Raise :class:`TorchShardError` naming a parameter that is no longer a view of the buffer."""
@@ -299,6 +336,23 @@ class FlatParamModule(nn.Module):
         owners = _Owners(self.module)
         for slot in self.layout:
             yield slot, owners.get(slot.name)
+
+
+def _init_own_way(module: nn.Module, seen: set[int] | None = None) -> None:
+    """Pre-order, each module once: a transformers model initializes its whole subtree,
+    any other module with ``reset_parameters()`` resets itself."""
+    seen = set() if seen is None else seen
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    if is_transformers_model(module):
+        init_transformers_model(module)
+        return
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+    for child in module.children():
+        _init_own_way(child, seen)
 
 
 class _Owners:

@@ -1,0 +1,135 @@
+"""Hugging Face transformers models: their declared ties, their own initialization, their config.
+
+Duck-typed on what ``transformers.PreTrainedModel`` provides, so torchshard
+never imports transformers (an optional dependency, the ``hf`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "clear_init_flags",
+    "init_transformers_model",
+    "is_transformers_model",
+    "restore_declared_ties",
+    "transformers_config",
+]
+
+logger = logging.getLogger(__name__)
+
+# transformers 5 marks modules and tensors it has initialized (or that
+# accelerate.init_empty_weights() built) and skips them in initialize_weights().
+_FLAG = "_is_hf_initialized"
+
+
+def is_transformers_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``PreTrainedModel`` (without importing transformers)."""
+    return (
+        any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)
+        and callable(getattr(module, "_init_weights", None))
+        and hasattr(module, "config")
+    )
+
+
+def restore_declared_ties(model: nn.Module) -> list[tuple[str, str]]:
+    """Tie the parameters a transformers model declares tied but that are separate objects.
+
+    Building under ``accelerate.init_empty_weights()`` gives every parameter
+    its own meta tensor, so ``lm_head.weight`` is no longer
+    ``embed_tokens.weight``. This calls the model's own ``tie_weights()`` (it
+    reads the config, e.g. ``tie_word_embeddings``) when a declared tie is
+    broken, and returns the ``(target, source)`` pairs it restored.
+    """
+    broken = [
+        (t, s)
+        for t, s in _declared_ties(model).items()
+        if _get(model, t) is not None and _get(model, t) is not _get(model, s)
+    ]
+    if not broken:
+        return []
+    for target, source in broken:
+        a, b = _get(model, target), _get(model, source)
+        real = a is not None and b is not None and not a.is_meta and not b.is_meta
+        if real and (a.shape != b.shape or not torch.equal(a, b)):  # type: ignore[union-attr]
+            logger.warning(
+                "%s: declared tied to %s by the model's config but holds other values; "
+                "tying keeps %s's (set tie_word_embeddings=False in the config to keep both)",
+                target,
+                source,
+                source,
+            )
+    model.tie_weights()  # type: ignore[operator]
+    restored = [(t, s) for t, s in broken if _get(model, t) is _get(model, s)]
+    if restored:
+        logger.info(
+            "restored the model's declared ties: %s",
+            ", ".join(f"{t} -> {s}" for t, s in restored),
+        )
+    return restored
+
+
+def _declared_ties(model: nn.Module) -> dict[str, str]:
+    """``{target: source}`` parameter names the model declares tied (transformers 5), else empty."""
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    if not callable(expand) or not callable(getattr(model, "tie_weights", None)):
+        return {}
+    try:
+        ties = expand(all_submodels=True)
+    except Exception as e:  # a custom model whose declaration does not resolve
+        logger.warning("could not read the model's declared ties: %s", e)
+        return {}
+    return {str(t): str(s) for t, s in (ties or {}).items()}
+
+
+def _get(model: nn.Module, name: str) -> torch.Tensor | None:
+    prefix, _, attr = name.rpartition(".")
+    try:
+        owner = model.get_submodule(prefix) if prefix else model
+    except AttributeError:
+        return None
+    return owner._parameters.get(attr)
+
+
+def clear_init_flags(model: nn.Module) -> None:
+    """Forget transformers' "already initialized" marks, so its initializers write every tensor."""
+    for m in model.modules():
+        m.__dict__.pop(_FLAG, None)
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None:
+                t.__dict__.pop(_FLAG, None)
+
+
+def init_transformers_model(model: nn.Module) -> None:
+    """Initialize every parameter and buffer of a bound transformers model its own way.
+
+    ``initialize_weights()`` applies the model's ``_init_weights`` to every
+    submodule (composite models dispatch to each sub-model's own), including
+    rotary embeddings' ``inv_freq``; the marks it would skip are cleared first.
+    """
+    clear_init_flags(model)
+    init = getattr(model, "initialize_weights", None)
+    if callable(init):
+        init()
+    else:  # transformers 4: the same walk by hand
+        model.apply(model._init_weights)  # type: ignore[operator]
+
+
+def transformers_config(model: nn.Module, dtype: torch.dtype) -> dict[str, Any] | None:
+    """The model's config as ``save_pretrained`` writes it (``config.json``), or ``None``."""
+    if not is_transformers_model(model):
+        return None
+    config = model.config
+    to_dict = getattr(config, "to_dict", None)
+    if not callable(to_dict):
+        return None
+    d = to_dict()
+    d["architectures"] = [type(model).__name__]
+    key = "dtype" if "dtype" in d or "torch_dtype" not in d else "torch_dtype"
+    d[key] = str(dtype).removeprefix("torch.")
+    return json.loads(json.dumps(d, default=str))  # plain JSON values only
