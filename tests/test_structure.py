@@ -37,7 +37,8 @@ ALLOWED = {
         "_trainer",
     },
     "_ckpt_tools": {"_ckpt_format", "_errors", "_layout", "_reshard", "_safetensors"},
-    "_cli": {"__init__", "_ckpt_tools", "_errors", "_layout"},
+    "_estimate": {"_errors", "_flat_module", "_layout", "_memory"},
+    "_cli": {"__init__", "_ckpt_tools", "_errors", "_estimate", "_layout"},
 }
 # save: load's world, load itself, and a transformers model's config
 ALLOWED["_checkpoint"] = ALLOWED["_ckpt_load"] | {"_ckpt_load", "_hf"}

@@ -1,4 +1,5 @@
-"""The ``torchshard`` command line: layout of a model; inspect, consolidate and reshard checkpoints."""
+"""The ``torchshard`` command line: layout and memory estimate of a model; inspect,
+consolidate and reshard checkpoints."""
 
 from __future__ import annotations
 
@@ -14,7 +15,21 @@ import torch
 from . import __version__
 from ._ckpt_tools import ArgumentError, Progress, consolidate, inspect_checkpoint, reshard
 from ._errors import TorchShardError
-from ._layout import FlatLayout
+from ._estimate import (
+    DTYPES,
+    MAX_WORLD_SIZE,
+    NOT_COUNTED,
+    OPTIMIZERS,
+    EstimateError,
+    MemoryEstimate,
+    build_hf_model,
+    estimate_memory,
+    is_factory,
+    layout_of,
+    parse_bytes,
+    parse_override,
+)
+from ._layout import FlatLayout, dtype_name
 
 
 def _load_factory(spec: str) -> torch.nn.Module:
@@ -55,6 +70,138 @@ def _cmd_layout(args: argparse.Namespace) -> int:
         f"{layout.dtype} ({layout.nbytes / 2**20:,.1f} MiB), fingerprint {layout.fingerprint()}"
     )
     return 0
+
+
+_OPTIMIZER_NAMES = {
+    "adamw": "AdamW",
+    "adam": "Adam",
+    "sgd": "SGD with momentum",
+    "sgd-nomomentum": "SGD without momentum",
+}
+
+
+def _print_estimate(r: MemoryEstimate) -> None:
+    short = {v: k for k, v in DTYPES.items()}[r.dtype]
+    big = max(m.worst.total for m in r.modes) >= 2**30
+    unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
+    sharded = next((m for m in r.modes if m.shard), None)
+    print(f"model        {r.model} ({r.model_class})")
+    print(
+        f"parameters   {r.parameters:,} in {r.tensors} tensors; flat buffer {r.numel:,} "
+        f"elements of {dtype_name(r.dtype)}"
+    )
+    where = ""
+    if r.dtype != torch.float32 and r.optimizer != "sgd-nomomentum":
+        where = f" (replicated: state in {short}; sharded: fp32 master slice and state)"
+    elif r.dtype != torch.float32:
+        where = " (sharded: fp32 master slice)"
+    print(f"training     {_OPTIMIZER_NAMES[r.optimizer]} at world size {r.world_size}{where}")
+    print()
+    rows = [
+        (f"parameters ({short})", "parameters"),
+        (f"gradients ({short})", "gradients"),
+        ("optimizer state", "optimizer"),
+        ("master weights", "master"),
+    ]
+    print(f"{'per rank, ' + unit:<18}" + "".join(f"{m.name:>12}" for m in r.modes))
+    for label, key in rows:
+        values = [m.worst.as_dict()[key] / scale for m in r.modes]
+        print(f"{label:<18}" + "".join(f"{v:>12,.2f}" for v in values))
+    print(f"{'total':<18}" + "".join(f"{m.worst.total / scale:>12,.2f}" for m in r.modes))
+    print()
+    if sharded is not None and r.world_size > 1 and sharded.spread:
+        print(
+            f"sharded: the worst rank (rank {sharded.worst.rank}); the others hold at most "
+            f"{sharded.spread:,} bytes less"
+        )
+    elif sharded is not None and r.world_size > 1:
+        print("sharded: every rank holds the same")
+    if r.budget is not None and r.device_memory is not None:
+        size = f"{r.device_memory / scale:,.2f} {unit} ({r.device_memory:,} bytes)"
+        if r.reserve:
+            size += f", {r.reserve:.0%} reserved: {r.budget / scale:,.2f} {unit} for the above"
+        print(f"device       {size}")
+        floor = 2 * r.numel * r.dtype.itemsize  # full parameters and gradients, on every rank
+        for m in r.modes:
+            now = "fits" if m.worst.total <= r.budget else "does not fit"
+            if m.min_world_size is not None and not m.shard:
+                fit = "fits at any world size (nothing is divided among ranks)"
+            elif m.min_world_size is not None:
+                fit = f"the smallest world size that fits is {m.min_world_size}"
+            elif not m.shard:
+                fit = "no world size fits (nothing is divided among ranks)"
+            elif floor > r.budget:
+                fit = (
+                    f"no world size fits: the full parameters and gradients, which every rank "
+                    f"holds, take {floor / 2**30:,.2f} GiB"
+                )
+            else:
+                fit = f"no world size up to {MAX_WORLD_SIZE:,} fits"
+            print(f"  {m.name + ':':<11} {now} at world size {r.world_size}; {fit}")
+    print(f"not counted: {', '.join(NOT_COUNTED)}; leave headroom for them (--reserve)")
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    overrides = dict(args.overrides)
+    if is_factory(args.model):
+        if overrides:
+            raise EstimateError(
+                f"--set: expected a transformers config or model_type to change, got the "
+                f"factory {args.model!r}; change the factory instead"
+            )
+        model = _load_factory(args.model)
+    else:
+        model = build_hf_model(args.model, overrides)
+    modes = tuple(s for s, on in ((False, args.replicated), (True, args.shard)) if on)
+    report = estimate_memory(
+        layout_of(model, DTYPES[args.dtype]),
+        world_size=args.world_size,
+        modes=modes or (False, True),
+        optimizer=args.optimizer,
+        device_memory=args.device_memory,
+        reserve=args.reserve,
+        model=args.model,
+        model_class=type(model).__name__,
+    )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        _print_estimate(report)
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return value
+
+
+def _device_memory(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except EstimateError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("device memory: ")) from e
+
+
+def _override(text: str) -> tuple[str, Any]:
+    try:
+        return parse_override(text)
+    except EstimateError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--set: ")) from e
 
 
 class _StderrProgress(Progress):
@@ -209,6 +356,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--align-bytes", type=int, default=16)
     p.add_argument("--json", action="store_true", help="print the layout JSON")
     p.set_defaults(run=_cmd_layout, error_status=2)
+    p = sub.add_parser(
+        "estimate",
+        help="per-rank memory to train a model (built on meta: no weights, no GPU)",
+        description="Print the bytes each rank holds to train MODEL with torchshard's trainer "
+        "(parameters, gradients, optimizer state, master weights), replicated and sharded, "
+        "and with --device-memory the smallest world size that fits. Activations, temporary "
+        "buffers, the CUDA context and allocator fragmentation are not counted.",
+    )
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a transformers config JSON file, a transformers model_type (llama, gpt2, ...) "
+        "with its defaults, or 'module:callable' returning an nn.Module",
+    )
+    p.add_argument("--world-size", type=_positive_int, required=True, metavar="N")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="default: bf16")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default: adamw")
+    p.add_argument(
+        "--device-memory",
+        type=_device_memory,
+        metavar="SIZE",
+        help="memory per device: 80GiB, 24G (binary), 80GB (decimal) or bytes",
+    )
+    p.add_argument(
+        "--reserve",
+        type=_fraction,
+        default=0.0,
+        metavar="FRACTION",
+        help="part of --device-memory kept for what is not counted (default: 0)",
+    )
+    p.add_argument("--shard", action="store_true", help="sharded mode only")
+    p.add_argument("--replicated", action="store_true", help="replicated mode only")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        type=_override,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value (JSON values), e.g. --set num_hidden_layers=80",
+    )
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.set_defaults(run=_cmd_estimate, error_status=2)
     ckpt_help = "a checkpoint directory, or a root (then its latest complete checkpoint)"
     p = sub.add_parser(
         "inspect",
@@ -230,9 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "from a transformers model, which stores its config).",
     )
     p.add_argument("path", metavar="PATH", help=ckpt_help)
-    p.add_argument(
-        "out", metavar="OUT", help="the output .safetensors file, or a new directory"
-    )
+    p.add_argument("out", metavar="OUT", help="the output .safetensors file, or a new directory")
     p.add_argument(
         "--with-aliases",
         action="store_true",

@@ -1,0 +1,287 @@
+"""``torchshard estimate``: its numbers against what the trainer really allocates, and the CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gpt import gpt_small
+from multiprocess import run_distributed
+
+from torchshard import DistributedTrainer, FlatParamModule, plan_memory
+from torchshard._cli import main
+from torchshard._estimate import (
+    EstimateError,
+    build_hf_model,
+    estimate_memory,
+    layout_of,
+    parse_bytes,
+    parse_override,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_7B = ROOT / "docs" / "configs" / "llama-2-7b.json"
+LLAMA_70B = ROOT / "docs" / "configs" / "llama-2-70b.json"
+
+TINY = {
+    "llama": {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+        "max_position_embeddings": 64,
+    },
+    "gpt2": {
+        "model_type": "gpt2",
+        "n_embd": 32,
+        "n_layer": 2,
+        "n_head": 2,
+        "vocab_size": 128,
+        "n_positions": 64,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    },
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, {"lr": 1e-3}),
+    "adam": (torch.optim.Adam, {"lr": 1e-3}),
+    "sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}),
+    "sgd-nomomentum": (torch.optim.SGD, {"lr": 1e-3}),
+}
+
+
+def _allocated(configs: dict[str, str]) -> dict[str, dict[str, int]]:
+    """Each rank: what the trainer holds after one step, per (model, dtype, mode, optimizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = {}
+    for name, path in configs.items():
+        values = json.loads(Path(path).read_text())
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+        for dtype, torch_dtype in DTYPES.items():
+            for shard in (False, True):
+                for opt, (cls, kw) in OPTIMIZERS.items():
+                    torch.manual_seed(0)
+                    fm = FlatParamModule(
+                        AutoModelForCausalLM.from_config(config), dtype=torch_dtype
+                    )
+                    trainer = DistributedTrainer(fm, shard=shard)
+                    trainer.make_optimizer(cls, **kw)
+                    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+                    trainer.zero_grad()
+                    fm(input_ids=ids, labels=ids).loss.backward()
+                    trainer.step()  # the optimizer's state exists from its first step on
+                    out[f"{name} {dtype} {'sharded' if shard else 'replicated'} {opt}"] = (
+                        trainer.memory_bytes()
+                    )
+                    trainer.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_estimate_is_what_the_trainer_allocates(world, tmp_path, capsys):
+    configs = {}
+    for name, values in TINY.items():
+        configs[name] = str(tmp_path / f"{name}.json")
+        Path(configs[name]).write_text(json.dumps(values))
+    ranks = run_distributed(_allocated, world, configs, timeout=240)
+    checked = 0
+    for name, path in configs.items():
+        for dtype in DTYPES:
+            # AdamW through the command line (what it prints), the others through the function
+            argv = ["estimate", path, "--world-size", str(world), "--dtype", dtype, "--json"]
+            assert main(argv) == 0
+            estimates = {"adamw": json.loads(capsys.readouterr().out)}
+            layout = layout_of(build_hf_model(path), DTYPES[dtype])
+            for opt in OPTIMIZERS:
+                if opt not in estimates:
+                    est = estimate_memory(layout, world_size=world, optimizer=opt)
+                    estimates[opt] = {m.name: m.to_dict() for m in est.modes}
+            for opt, printed in estimates.items():
+                for mode in ("replicated", "sharded"):
+                    real = [r[f"{name} {dtype} {mode} {opt}"] for r in ranks]
+                    totals = [sum(r.values()) for r in real]
+                    worst = totals.index(max(totals))
+                    est = printed[mode]
+                    assert est["rank"] == worst, (name, dtype, mode, opt)
+                    assert {k: est[k] for k in real[worst]} == real[worst], (name, dtype, mode, opt)
+                    assert est["total"] == totals[worst]
+                    assert est["spread"] == max(totals) - min(totals)
+                    checked += 1
+    assert checked == len(TINY) * len(DTYPES) * len(OPTIMIZERS) * 2
+
+
+def _brute_force(layout, shard: bool, budget: int, limit: int) -> int | None:
+    for n in range(1, limit + 1):
+        if max(r.total for r in plan_memory(layout, n, shard=shard)) <= budget:
+            return n
+    return None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_smallest_world_size_is_the_first_that_fits(dtype):
+    with torch.device("meta"):
+        layout = layout_of(
+            torch.nn.Sequential(torch.nn.Linear(30, 7), torch.nn.Linear(7, 3)), dtype
+        )
+    limit = 48
+    totals = [max(r.total for r in plan_memory(layout, n, shard=True)) for n in range(1, limit + 1)]
+    # padding of the full buffers grows with the world size: not monotone, hence no bisection
+    assert any(b > a for a, b in itertools.pairwise(totals))
+    for budget in [*sorted(set(totals)), min(totals) - 1, max(totals) + 1]:
+        for shard in (False, True):
+            est = estimate_memory(
+                layout,
+                world_size=4,
+                modes=(shard,),
+                device_memory=budget,
+                max_world_size=limit,
+            )
+            assert est.modes[0].min_world_size == _brute_force(layout, shard, budget, limit)
+
+
+def test_7b_config(capsys):
+    argv = ["estimate", str(LLAMA_7B), "--world-size", "8", "--device-memory", "80GiB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "6,738,415,616 in 291 tensors" in out and "LlamaForCausalLM" in out
+    assert "not counted: activations" in out
+    assert "the smallest world size that fits is 2" in out
+    assert main([*argv, "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    p = 6_738_415_616  # every tensor a multiple of the alignment: no padding at 8 ranks
+    assert est["parameters"] == est["numel"] == p
+    assert est["sharded"]["parameters"] == est["sharded"]["gradients"] == 2 * p
+    assert est["sharded"]["master"] == 2 * 4 * p // 8  # fp32 slice and its gradient
+    assert p <= est["sharded"]["optimizer"] <= p + 4 * 291  # 8 bytes/element/8, 4-byte steps
+    assert est["replicated"]["optimizer"] == 4 * p + 4 * 291  # bf16 state, no master
+    assert est["device_memory"] == 80 * 2**30
+    assert est["replicated"]["min_world_size"] == 1
+    assert est["sharded"]["min_world_size"] == 2
+
+
+def test_model_type_with_overrides(capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sets = {"num_hidden_layers": 3, "hidden_size": 256, "num_attention_heads": 4}
+    argv = ["estimate", "llama", "--world-size", "2", "--json", "--shard"]
+    assert main(argv + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]) == 0
+    est = json.loads(capsys.readouterr().out)
+    with torch.device("meta"):
+        oracle = LlamaForCausalLM(LlamaConfig(**sets))
+    assert est["parameters"] == sum(p.numel() for p in oracle.parameters())
+    assert est["model_class"] == "LlamaForCausalLM" and "replicated" not in est
+
+
+def test_tied_weights_count_once(capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    assert main(["estimate", "gpt2", "--world-size", "2", "--json", "--set", "n_layer=2"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    with torch.device("meta"):  # ties intact on meta (init_empty_weights breaks them)
+        oracle = GPT2LMHeadModel(GPT2Config(n_layer=2))
+    assert oracle.lm_head.weight is oracle.transformer.wte.weight
+    assert est["tensors"] == len(list(oracle.parameters()))
+    assert est["parameters"] == sum(p.numel() for p in oracle.parameters())
+
+
+def test_factory(capsys):
+    assert main(["estimate", "gpt:gpt_small", "--world-size", "4", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    with torch.device("meta"):
+        n = sum(p.numel() for p in gpt_small().parameters())
+    assert f"{n:,} in 52 tensors" in out and "(GPT)" in out and "master" in out
+
+
+@pytest.mark.slow
+def test_70b_does_not_fit_at_any_world_size(capsys):
+    argv = ["estimate", str(LLAMA_70B), "--world-size", "64", "--device-memory", "80GiB"]
+    assert main([*argv, "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["parameters"] == 68_976_648_192
+    # every rank holds the full bf16 parameters and gradients: 4 bytes per parameter
+    assert est["sharded"]["parameters"] + est["sharded"]["gradients"] == 4 * est["numel"]
+    assert est["sharded"]["min_world_size"] is None
+    assert main(argv) == 0
+    assert "no world size fits: the full parameters and gradients" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["no/such/config.json"], "no/such/config.json"),
+        (["missing.json"], "missing.json"),
+        (["notamodel"], "notamodel"),
+        (["llama", "--set", "num_hidden_layers"], "num_hidden_layers"),
+        (["llama", "--set", "num_hidden_layer=2"], "num_hidden_layer"),
+        (["llama", "--set", "num_hidden_layers=two"], "num_hidden_layers"),
+        (["gpt:gpt_small", "--set", "n_layer=2"], "gpt:gpt_small"),
+        (["no_such_module:make"], "no_such_module:make"),
+        (["llama", "--device-memory", "80 parsecs"], "80 parsecs"),
+        (["llama", "--device-memory", "0GiB"], "0GiB"),
+        (["llama", "--world-size", "0"], "--world-size"),
+        (["llama", "--reserve", "1.5"], "--reserve"),
+    ],
+)
+def test_bad_input_is_one_line_naming_it_and_exit_2(argv, named, capsys):
+    if "--world-size" not in argv:
+        argv = [*argv, "--world-size", "2"]
+    assert main(["estimate", *argv]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("torchshard: error: "), captured.err
+    assert named in err[0] and not captured.out
+
+
+def test_bad_config_file_is_one_line_and_exit_2(tmp_path, capsys):
+    for text in ("{not json", '{"hidden_size": 8}', "[1, 2]"):
+        (tmp_path / "c.json").write_text(text)
+        assert main(["estimate", str(tmp_path / "c.json"), "--world-size", "2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "c.json" in err[0] and "expected" in err[0]
+
+
+def test_missing_transformers_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import raises ImportError
+    assert main(["estimate", "llama", "--world-size", "2"]) == 2
+    assert 'pip install "torchshard-lite[hf]"' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("80GiB", 80 * 2**30),
+        ("80gib", 80 * 2**30),
+        ("24G", 24 * 2**30),
+        ("80GB", 80 * 10**9),
+        ("1.5 TiB", 3 * 2**39),
+        ("512MiB", 2**29),
+        ("12345", 12345),
+        ("1e9", 10**9),
+    ],
+)
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "80 parsecs", "-1", "0", "inf", "nan", "80iB"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(EstimateError, match="device memory"):
+        parse_bytes(text)
+
+
+def test_parse_override():
+    assert parse_override("num_hidden_layers=80") == ("num_hidden_layers", 80)
+    assert parse_override('rope_scaling={"factor": 2.0}') == ("rope_scaling", {"factor": 2.0})
+    assert parse_override("hidden_act=gelu") == ("hidden_act", "gelu")
+    assert parse_override("tie_word_embeddings=false") == ("tie_word_embeddings", False)
+    with pytest.raises(EstimateError, match="key=value"):
+        parse_override("=3")
