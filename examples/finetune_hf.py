@@ -1,0 +1,192 @@
+"""Fine-tune a Hugging Face transformers causal LM with torchshard, data-parallel.
+
+The model is a transformers model as it is (Llama or GPT-2 architecture, from
+a config or from a local ``from_pretrained`` directory); the text is Python's
+own help (``pydoc_data.topics``), byte by byte. Nothing is downloaded.
+
+    # a small Llama from its config, two processes (gloo on CPU, NCCL on GPUs)
+    torchrun --standalone --nproc-per-node 2 examples/finetune_hf.py
+
+    # continue from the latest checkpoint, at another world size
+    torchrun --standalone --nproc-per-node 3 examples/finetune_hf.py --resume --steps 120
+
+    # export for transformers, then load it there
+    torchshard consolidate runs/finetune_hf runs/finetune_hf-model
+    python -c "import transformers; transformers.AutoModelForCausalLM.from_pretrained('runs/finetune_hf-model')"
+
+    # start from a from_pretrained directory (e.g. the export above), GPT-2, FSDP-lite
+    torchrun --standalone --nproc-per-node 2 examples/finetune_hf.py \\
+        --init-from runs/finetune_hf-model --ckpt-dir runs/finetune_hf-2 --shard
+
+    # accelerate's launcher sets the same environment as torchrun
+    accelerate launch --multi_gpu --num_processes 2 examples/finetune_hf.py
+
+examples/resume.sh runs the whole path: train at 2 ranks, resume at 1 and at 3
+from the same checkpoint, export, and load the result with transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+from accelerate import init_empty_weights
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_gpt import batch_generator, get_batch, load_corpus
+
+import torchshard
+import torchshard.checkpoint
+
+log = logging.getLogger("finetune_hf")
+
+# Small enough for two CPU cores; the tokens are bytes, so the vocabulary is 256.
+CONFIGS = {
+    "llama": dict(
+        model_type="llama", hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=True,
+    ),
+    "gpt2": dict(
+        model_type="gpt2", n_embd=128, n_layer=4, n_head=4, n_positions=256,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    ),
+}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--arch", choices=sorted(CONFIGS), default="llama", help="random init")
+    src.add_argument("--config", help="a transformers config.json (random init)")
+    src.add_argument("--init-from", metavar="DIR", help="a local from_pretrained directory")
+    p.add_argument("--steps", type=int, default=200, help="length of the run (and its schedule)")
+    p.add_argument("--stop-at", type=int, help="stop after this step, as if interrupted")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
+    p.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--ckpt-dir", default="runs/finetune_hf", help="checkpoint root")
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--shard", action="store_true", help="FSDP-lite: sharded optimizer state")
+    p.add_argument("--bf16", action="store_true", help="bf16 weights (with --shard: fp32 master)")
+    p.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute activations in backward"
+    )
+    return p.parse_args(argv)
+
+
+def build_model(args: argparse.Namespace, rank: int) -> torch.nn.Module:
+    """Weights from disk on rank 0 only; elsewhere built without storage (rank 0's are broadcast)."""
+    if args.init_from:
+        config = transformers.AutoConfig.from_pretrained(args.init_from)
+        if rank == 0:
+            return transformers.AutoModelForCausalLM.from_pretrained(
+                args.init_from, dtype=torch.float32
+            )
+    elif args.config:
+        config = transformers.AutoConfig.from_pretrained(args.config)
+    else:
+        kw = dict(CONFIGS[args.arch])
+        config = transformers.AutoConfig.for_model(kw.pop("model_type"), vocab_size=256, **kw)
+    if config.vocab_size < 256:
+        raise SystemExit(f"the model's vocab_size is {config.vocab_size}; bytes need 256")
+    # Parameters on meta, buffers (e.g. rotary frequencies) real; FlatParamModule restores
+    # the ties this breaks, and the trainer initializes the model the transformers way.
+    with init_empty_weights():
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    args = parse_args(argv)
+    info = torchshard.init_distributed()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if info.rank == 0:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    transformers.logging.set_verbosity_error()
+
+    torch.manual_seed(args.seed)
+    model = build_model(args, info.rank)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    fm = torchshard.FlatParamModule(model, dtype=torch.bfloat16 if args.bf16 else None)
+    trainer = torchshard.DistributedTrainer(fm, device=info.device, shard=args.shard)
+    opt = trainer.make_optimizer(
+        torch.optim.AdamW,
+        lr=args.lr,
+        weight_decay=0.1,
+        groups=[(lambda n: n.endswith("bias") or "norm" in n or ".ln_" in n, {"weight_decay": 0})],
+    )
+    # The checkpoint stores the model's transformers config: `torchshard consolidate`
+    # turns it into a directory that from_pretrained loads.
+    ckpt = torchshard.checkpoint.Checkpointer(args.ckpt_dir, keep_last=2)
+    start = 0
+    if args.resume and ckpt.latest() is not None:
+        resumed = ckpt.load(trainer, optimizer=opt)
+        start = resumed.step
+        log.info("resumed %s, saved at world size %s", resumed.path, resumed.extra["world_size"])
+    elif ckpt.latest() is not None:
+        raise SystemExit(f"{args.ckpt_dir} has checkpoints: pass --resume, or another --ckpt-dir")
+    log.info(
+        "%s, %.2fM parameters, world %d on %s, %s",
+        type(model).__name__,
+        fm.layout.param_numel / 1e6,
+        info.world_size,
+        info.device,
+        "sharded" if args.shard else "replicated",
+    )
+
+    train, val = load_corpus()
+    losses: list[float] = []
+    last = min(args.steps, args.stop_at or args.steps)
+    for step in range(start + 1, last + 1):
+        for group in opt.param_groups:  # linear warm-up, then cosine to a tenth
+            group["lr"] = (
+                args.lr
+                * min(1.0, step / 10)
+                * (0.55 + 0.45 * math.cos(math.pi * step / args.steps))
+            )
+        gen = batch_generator(args.seed, info.rank, step, 0)
+        x, _ = get_batch(train, args.batch_size, args.block_size, gen, info.device)
+        trainer.zero_grad()
+        loss = fm(input_ids=x, labels=x).loss  # transformers shifts the labels
+        loss.backward()
+        trainer.clip_grad_norm_(1.0)
+        trainer.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / info.world_size)
+        if step % args.log_every == 0 or step == last:
+            log.info("step %4d  loss %.4f", step, losses[-1])
+        if step % args.save_every == 0 or step == last:
+            ckpt.save(trainer, step=step, optimizer=opt, extra={"world_size": info.world_size})
+    ckpt.close()
+
+    fm.eval()
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(1234)
+        x, _ = get_batch(val, args.batch_size, args.block_size, gen, info.device)
+        val_loss = fm(input_ids=x, labels=x).loss.item()
+        prompt = torch.tensor([list(b"def ")], device=info.device)
+        out = model.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=0)
+    sample = bytes(out[0].tolist()).decode("utf-8", "replace")
+    log.info("validation loss %.4f; greedy sample: %r", val_loss, sample)
+    log.info(
+        "checkpoints: %s", ", ".join(p.name for p in sorted(Path(args.ckpt_dir).glob("step-*")))
+    )
+    trainer.close()
+    return {"val_loss": val_loss, "last_loss": losses[-1] if losses else float("nan")}
+
+
+if __name__ == "__main__":
+    main()
