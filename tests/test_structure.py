@@ -15,9 +15,19 @@ ALLOWED = {
     "_layout": {"_errors"},
     "_buckets": {"_layout"},
     "_flat_module": {"_errors", "_hf", "_layout"},
-    "_hf": set(),
-    "_dist": {"_errors"},
-    "_trainer": {"_buckets", "_dist", "_errors", "_flat_module", "_layout", "_memory", "_reshard"},
+    "_hf": {"_log"},
+    "_log": set(),
+    "_dist": {"_errors", "_log"},
+    "_trainer": {
+        "_buckets",
+        "_dist",
+        "_errors",
+        "_flat_module",
+        "_layout",
+        "_log",
+        "_memory",
+        "_reshard",
+    },
     "_reshard": {"_layout"},
     "_memory": {"_layout", "_reshard"},
     "_safetensors": {"_errors"},
@@ -37,11 +47,11 @@ ALLOWED = {
         "_trainer",
     },
     "_ckpt_tools": {"_ckpt_format", "_errors", "_layout", "_reshard", "_safetensors"},
-    "_estimate": {"_errors", "_flat_module", "_layout", "_memory"},
+    "_estimate": {"_errors", "_flat_module", "_layout", "_log", "_memory"},
     "_cli": {"__init__", "_ckpt_tools", "_errors", "_estimate", "_layout"},
 }
 # save: load's world, load itself, and a transformers model's config
-ALLOWED["_checkpoint"] = ALLOWED["_ckpt_load"] | {"_ckpt_load", "_hf"}
+ALLOWED["_checkpoint"] = ALLOWED["_ckpt_load"] | {"_ckpt_load", "_hf", "_log"}
 # The trainer side never reaches into checkpointing.
 CHECKPOINT = {m for m in ALLOWED if m.startswith("_ck") or m == "_checkpoint"}
 

@@ -4,6 +4,7 @@ from ._dist import DistInfo, init_distributed
 from ._errors import BindError, LayoutError, RankMismatchError, TorchShardError
 from ._flat_module import FlatParamModule
 from ._layout import FlatLayout, ParamSlot
+from ._log import set_log_ranks
 from ._memory import RankMemory, plan_memory
 from ._trainer import CommStats, DistributedTrainer
 
@@ -24,4 +25,5 @@ __all__ = [
     "__version__",
     "init_distributed",
     "plan_memory",
+    "set_log_ranks",
 ]

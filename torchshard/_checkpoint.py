@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import json
-import logging
 import os
 import shutil
 import threading
@@ -45,13 +44,14 @@ from ._errors import CheckpointError
 from ._flat_module import FlatParamModule
 from ._hf import transformers_config
 from ._layout import dtype_name
+from ._log import get_logger
 from ._reshard import element_ranges, weight_shards
 from ._safetensors import FileRecord, SafetensorsWriter, write_safetensors
 from ._trainer import DistributedTrainer
 
 __all__ = ["CheckpointFuture", "CheckpointInfo", "Checkpointer", "async_save", "load", "save"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _SEQ = itertools.count()  # saves issued by this process: the same sequence on every rank
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -12,10 +11,11 @@ import torch
 import torch.distributed as dist
 
 from ._errors import TorchShardError
+from ._log import get_logger
 
 __all__ = ["DistInfo", "init_distributed"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # Whether init_distributed() created the default process group (then torchshard
 # also tears it down: at trainer.close() or at interpreter exit).

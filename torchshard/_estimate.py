@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import logging
 import math
 import re
 from collections.abc import Mapping
@@ -24,6 +23,7 @@ from torch import nn
 from ._errors import TorchShardError
 from ._flat_module import FlatParamModule
 from ._layout import FlatLayout, dtype_name
+from ._log import get_logger
 from ._memory import OPTIMIZER_STATES, RankMemory, padded_numel, plan_memory
 
 __all__ = [
@@ -42,7 +42,7 @@ __all__ = [
     "parse_override",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MAX_WORLD_SIZE = 65536

@@ -7,11 +7,12 @@ never imports transformers (an optional dependency, the ``hf`` extra).
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 import torch
 from torch import nn
+
+from ._log import get_logger
 
 __all__ = [
     "clear_init_flags",
@@ -21,7 +22,7 @@ __all__ = [
     "transformers_config",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # transformers 5 marks modules and tensors it has initialized (or that
 # accelerate.init_empty_weights() built) and skips them in initialize_weights().

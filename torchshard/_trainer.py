@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,12 +18,13 @@ from ._dist import destroy_owned_group, exchange_bytes, init_distributed
 from ._errors import RankMismatchError, TorchShardError
 from ._flat_module import FlatParamModule
 from ._layout import FlatLayout
+from ._log import get_logger
 from ._memory import padded_numel
 from ._reshard import element_ranges
 
 __all__ = ["CommStats", "DistributedTrainer"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _REDUCE_OPS = {
     "mean": dist.ReduceOp.SUM,
