@@ -6,23 +6,11 @@ import copy
 
 import pytest
 import torch
-from gpt import GPT, GPTConfig, init_gpt_weights
+from gpt import GPT, init_gpt_weights
+from models import CFG, batch, gpt
 from torch import nn
 
 from torchshard import BindError, FlatParamModule, LayoutError, TorchShardError
-
-CFG = GPTConfig.preset("tiny")
-
-
-def gpt(seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(CFG)
-
-
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    idx = torch.randint(0, CFG.vocab_size, (4, CFG.block_size + 1), generator=g)
-    return idx[:, :-1], idx[:, 1:]
 
 
 def wrapped(model: nn.Module, **kwargs) -> FlatParamModule:

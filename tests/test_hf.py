@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from models import tiny_hf_config
 from multiprocess import run_distributed
 from torch import nn
 
@@ -22,17 +23,7 @@ transformers.logging.set_verbosity_error()
 
 
 def tiny_config(arch: str, tie: bool = True):
-    if arch == "gpt2":
-        return transformers.GPT2Config(
-            n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=64,
-            bos_token_id=0, eos_token_id=0, tie_word_embeddings=tie,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        )  # fmt: skip
-    return transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=96, max_position_embeddings=64,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=tie,
-    )  # fmt: skip
+    return tiny_hf_config(arch, tie_word_embeddings=tie)
 
 
 def build(config, how: str) -> nn.Module:

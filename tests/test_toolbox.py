@@ -13,26 +13,14 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.nn.functional as F
-from gpt import GPT, GPTConfig
+from models import batch, gpt, tiny_hf_config
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from torchshard import DistributedTrainer, FlatParamModule
 
-CFG = GPTConfig.preset("tiny")
 STEPS = 5
 ADAMW = dict(lr=1e-2, eps=1e-6, weight_decay=0.1)
-
-
-def gpt(seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(CFG)
-
-
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    idx = torch.randint(0, CFG.vocab_size, (4, CFG.block_size + 1), generator=g)
-    return idx[:, :-1], idx[:, 1:]
 
 
 def grads_outside_flat_grad(fm: FlatParamModule) -> list[str]:
@@ -223,32 +211,11 @@ def test_torch_checkpoint_gives_the_gradients_of_no_checkpointing(use_reentrant)
 
 # -- activation checkpointing: transformers -----------------------------------------------------
 def tiny_hf_model(arch: str) -> nn.Module:
+    """Llama (untied, as LlamaConfig defaults) or GPT-2 (lm_head tied to wte), real weights."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    if arch == "llama":
-        config = transformers.LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=128,
-            max_position_embeddings=64,
-            use_cache=False,
-        )
-        return transformers.LlamaForCausalLM(config)
-    config = transformers.GPT2Config(
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        vocab_size=128,
-        n_positions=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-    )
-    return transformers.GPT2LMHeadModel(config)  # lm_head tied to wte
+    config = tiny_hf_config(arch, vocab_size=128, use_cache=False)
+    return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
