@@ -407,3 +407,25 @@ def test_init_weights_before_bind_is_an_error():
         fm = FlatParamModule(nn.Linear(2, 2))
     with pytest.raises(TorchShardError, match=r"init_weights\(\): the module is not bound"):
         fm.init_weights()
+
+
+def test_old_parameters_still_held_after_bind_are_reported(caplog):
+    model = gpt()
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)  # created before wrapping: a bug
+    fm = FlatParamModule(model)
+    with caplog.at_level("WARNING", logger="torchshard"):
+        fm.bind(torch.empty(fm.numel))
+    (record,) = [r for r in caplog.records if "still referenced" in r.getMessage()]
+    n = len(list(model.parameters()))
+    assert f"{n} of {n} replaced parameters" in record.getMessage()
+    assert "optimizer" in record.getMessage()
+    del stale
+
+    caplog.clear()
+    model = gpt()
+    for p in model.parameters():  # leaves one parameter bound to `p`: not worth a warning
+        p.requires_grad_(True)
+    fm = FlatParamModule(model)
+    with caplog.at_level("WARNING", logger="torchshard"):
+        fm.bind(torch.empty(fm.numel))
+    assert not [r for r in caplog.records if "still referenced" in r.getMessage()]

@@ -14,7 +14,7 @@ ALLOWED = {
     "_errors": set(),
     "_layout": {"_errors"},
     "_buckets": {"_layout"},
-    "_flat_module": {"_errors", "_hf", "_layout"},
+    "_flat_module": {"_errors", "_hf", "_layout", "_log"},
     "_hf": {"_log"},
     "_log": set(),
     "_dist": {"_errors", "_log"},

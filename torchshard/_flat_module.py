@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,8 +17,11 @@ from ._hf import (
     restore_declared_ties,
 )
 from ._layout import FlatLayout, ParamSlot
+from ._log import get_logger
 
 __all__ = ["FlatParamModule"]
+
+logger = get_logger(__name__)
 
 
 class FlatParamModule(nn.Module):
@@ -147,12 +151,14 @@ class FlatParamModule(nn.Module):
             _zero_gaps(grad, self.layout)
 
         owners = _Owners(self.module)
+        replaced: list[tuple[str, weakref.ref[torch.Tensor], int]] = []
         with torch.no_grad():
             for slot in self.layout:
                 old = owners.get(slot.name)
                 view = flat[slot.offset : slot.end].view(slot.shape)
                 if copy and old.device.type != "meta":
                     view.copy_(old)
+                    replaced.append((slot.name, weakref.ref(old), old.nbytes))
                 new = nn.Parameter(view, requires_grad=slot.requires_grad)
                 new.__dict__.update(old.__dict__)  # user attributes set on the parameter
                 if slot.requires_grad:
@@ -166,6 +172,7 @@ class FlatParamModule(nn.Module):
                 for name in slot.names:
                     owners.set(name, new)
                 del old, new  # release the old storage now, not at the end of the loop
+            _warn_if_still_held(replaced)
             for prefix, m in self.module.named_modules(remove_duplicate=False):
                 for key, buf in m._buffers.items():
                     if buf is None or buf.device == flat.device:
@@ -336,6 +343,23 @@ class FlatParamModule(nn.Module):
         owners = _Owners(self.module)
         for slot in self.layout:
             yield slot, owners.get(slot.name)
+
+
+def _warn_if_still_held(replaced: list[tuple[str, weakref.ref[torch.Tensor], int]]) -> None:
+    """Say when old parameters outlive bind(): a second copy, and usually a silent bug."""
+    held = [(name, nbytes) for name, ref, nbytes in replaced if ref() is not None]
+    # One survivor is usually a loop variable (`for p in model.parameters(): ...`).
+    if len(held) > 1:
+        logger.warning(
+            "bind(): %d of %d replaced parameters (%.1f MiB, e.g. %r) are still referenced "
+            "elsewhere, so their memory is not freed; if an optimizer was created before "
+            "wrapping, it updates those old tensors, not the model: create it from "
+            "fm.parameters() after bind() (or after DistributedTrainer(fm))",
+            len(held),
+            len(replaced),
+            sum(n for _, n in held) / 2**20,
+            held[0][0],
+        )
 
 
 def _init_own_way(module: nn.Module, seen: set[int] | None = None) -> None:
