@@ -117,8 +117,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     torch.manual_seed(args.seed)
     model = build_model(args, info.rank)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    if args.gradient_checkpointing:  # transformers 5 renamed gradient_checkpointing_enable
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
     fm = torchshard.FlatParamModule(model, dtype=torch.bfloat16 if args.bf16 else None)
     trainer = torchshard.DistributedTrainer(fm, device=info.device, shard=args.shard)
     opt = trainer.make_optimizer(
@@ -135,8 +136,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         resumed = ckpt.load(trainer, optimizer=opt)
         start = resumed.step
         log.info("resumed %s, saved at world size %s", resumed.path, resumed.extra["world_size"])
-    elif ckpt.latest() is not None:
-        raise SystemExit(f"{args.ckpt_dir} has checkpoints: pass --resume, or another --ckpt-dir")
+    elif ckpt.latest() is not None:  # never lose a run by launching the same command again
+        if info.rank == 0:
+            print(
+                f"finetune_hf: {args.ckpt_dir} holds checkpoints (latest: {ckpt.latest()}); "
+                "--resume continues them, --ckpt-dir picks another directory",
+                file=sys.stderr,
+            )
+        trainer.close()
+        sys.exit(2)
+    if start >= args.steps:
+        log.info("already at step %d of %d: nothing to train (raise --steps)", start, args.steps)
     log.info(
         "%s, %.2fM parameters, world %d on %s, %s",
         type(model).__name__,

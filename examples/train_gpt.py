@@ -1,4 +1,4 @@
-"""Train a small GPT on text that ships with Python, data-parallel with torchshard.
+r"""Train a small GPT on text that ships with Python, data-parallel with torchshard.
 
 The corpus is Python's own help text (``pydoc_data.topics``, ~0.5 MB, part of
 every CPython install), modelled byte by byte. Nothing is downloaded.
@@ -9,15 +9,19 @@ every CPython install), modelled byte by byte. Nothing is downloaded.
     # a world of one, no launcher
     python examples/train_gpt.py --steps 50
 
-    # stop, then continue from the latest checkpoint at another world size
-    torchrun --standalone --nproc-per-node 3 examples/train_gpt.py --resume
+    # continue from the latest checkpoint, at another world size (--steps is the
+    # schedule's length: a larger value on resume stretches the cosine decay)
+    torchrun --standalone --nproc-per-node 3 examples/train_gpt.py --steps 400 --resume
+
+    # start again, deleting the earlier run's checkpoints (without it: an error)
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --overwrite
 
     # FSDP-lite: optimizer state and gradients sharded, bf16 weights with an fp32 master
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --shard --bf16
 
-    # two machines (run on each, with its own --node-rank)
-    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 \
-        --rdzv-backend c10d --rdzv-endpoint HOST0:29500 examples/train_gpt.py
+    # two machines (the same command on each; HOST0 is one of them)
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \
+        --rdzv-endpoint HOST0:29500 --rdzv-id my-run examples/train_gpt.py
 
 Rank 0 logs the loss (mean over ranks), tokens per second and the time spent
 waiting for gradient communication.
@@ -67,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
     p.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument(
+        "--overwrite", action="store_true", help="delete the checkpoints of an earlier run first"
+    )
     p.add_argument(
         "--shard", action="store_true", help="FSDP-lite: shard optimizer state and grads"
     )
@@ -146,11 +153,17 @@ def main(argv: list[str] | None = None) -> float:
     )
     start = 0
     if ckpt is not None and not args.resume and ckpt.latest() is not None:
-        # The example owns its checkpoint directory: a fresh run replaces the old one.
-        log.info(
-            "starting from scratch: removing %s's old checkpoints (--resume continues them)",
-            args.ckpt_dir,
-        )
+        if not args.overwrite:  # never lose a run by launching the same command again
+            if info.rank == 0:
+                print(
+                    f"train_gpt: {args.ckpt_dir} holds checkpoints (latest: {ckpt.latest()}); "
+                    "--resume continues them, --overwrite deletes them and starts again, "
+                    "--ckpt-dir picks another directory",
+                    file=sys.stderr,
+                )
+            trainer.close()
+            sys.exit(2)
+        log.info("--overwrite: removing %s's old checkpoints", args.ckpt_dir)
         dist.barrier()  # every rank has looked before rank 0 deletes
         if info.rank == 0:
             for old in Path(args.ckpt_dir).glob("step-*"):

@@ -81,8 +81,6 @@ def test_two_torchrun_nodes_over_loopback(tmp_path):
         cmd = torchrun(
             "--nnodes",
             "2",
-            "--node-rank",
-            str(node),
             "--nproc-per-node",
             "1",
             "--rdzv-backend",
@@ -173,3 +171,21 @@ def _group_created_by_the_user_is_left_alone() -> bool:
 
 def test_trainer_leaves_a_user_created_group_alone():
     assert run_distributed(_group_created_by_the_user_is_left_alone, 2, timeout=60) == [True, True]
+
+
+@pytest.mark.slow
+def test_a_second_run_refuses_to_delete_the_first_runs_checkpoints(tmp_path):
+    cmd = [sys.executable, EXAMPLE, *small(steps=4, log_every=2), "--ckpt-dir", str(tmp_path)]
+    cmd += ["--save-every", "2"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
+    assert first.returncode == 0, first.stderr
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
+    assert again.returncode == 2
+    assert "holds checkpoints" in again.stderr and "--overwrite" in again.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000004"]
+    out = subprocess.run(
+        [*cmd, "--overwrite", "--steps", "2"],
+        capture_output=True, text=True, timeout=240, env=clean_env(),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002"]

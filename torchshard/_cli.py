@@ -41,7 +41,12 @@ def _load_factory(spec: str) -> torch.nn.Module:
         sys.path.insert(0, "")
     try:
         factory = getattr(importlib.import_module(mod_name), attr)
-    except (ImportError, AttributeError) as e:
+    except ImportError as e:
+        raise TorchShardError(
+            f"factory {spec!r}: {e}; run from the directory that holds {mod_name!r}, "
+            "or put that directory on PYTHONPATH"
+        ) from e
+    except AttributeError as e:
         raise TorchShardError(f"factory {spec!r}: {e}") from e
     try:
         with torch.device("meta"):
@@ -101,7 +106,7 @@ def _print_estimate(r: MemoryEstimate) -> None:
         (f"parameters ({short})", "parameters"),
         (f"gradients ({short})", "gradients"),
         ("optimizer state", "optimizer"),
-        ("master weights", "master"),
+        ("fp32 master + grad", "master"),
     ]
     print(f"{'per rank, ' + unit:<18}" + "".join(f"{m.name:>12}" for m in r.modes))
     for label, key in rows:
@@ -360,7 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "estimate",
         help="per-rank memory to train a model (built on meta: no weights, no GPU)",
         description="Print the bytes each rank holds to train MODEL with torchshard's trainer "
-        "(parameters, gradients, optimizer state, master weights), replicated and sharded, "
+        "(parameters, gradients, optimizer state, fp32 master weights and their gradient), "
+        "replicated and sharded, "
         "and with --device-memory the smallest world size that fits. Activations, temporary "
         "buffers, the CUDA context and allocator fragmentation are not counted.",
     )

@@ -54,7 +54,7 @@ NOT_COUNTED = (
     "allocator fragmentation",
 )
 _MASTER_DTYPE = torch.float32  # the trainer's default master_dtype
-_HF_HINT = 'pip install "torchshard-lite[hf]"'
+_HF_HINT = "pip install transformers accelerate (or pip install -e '.[hf]' in a clone)"
 
 
 class EstimateError(TorchShardError, ValueError):
