@@ -956,3 +956,26 @@ def test_one_rank_corrupt_every_rank_raises(tmp_path, bad_rank):
         assert o["file"] in o["message"], (rank, o)
         if rank != bad_rank:
             assert f"rank {bad_rank} failed to load" in o["message"], (rank, o)
+
+
+def _save_to_own_directory(root: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    fm = torchshard.FlatParamModule(torch.nn.Linear(64, 64))
+    trainer = torchshard.DistributedTrainer(fm)
+    outcome: dict[str, Any] = {"type": None, "message": ""}
+    try:
+        checkpoint.save(f"{root}/rank{rank}", trainer, step=1)  # a bug: per-rank directories
+    except Exception as e:
+        outcome = {"type": type(e).__name__, "message": str(e)}
+    dist.barrier()  # the group still works after the failed save
+    trainer.close()
+    return outcome
+
+
+def test_ranks_saving_to_different_directories_all_raise_naming_it(tmp_path):
+    out = run_distributed(_save_to_own_directory, 2, str(tmp_path), timeout=60)
+    for rank, o in enumerate(out):
+        assert o["type"] == "CheckpointError", (rank, o)
+        assert "every rank must save to the same directory" in o["message"], (rank, o)
+        assert "rank 1" in o["message"], (rank, o)
+    assert not list(tmp_path.glob("*/step-*")), "nothing may be committed"

@@ -317,12 +317,20 @@ class _Writer:
             if t.rank == 0:
                 _prepare(root, tmp, share.path)
                 if t.store is not None:
+                    t.store.set(f"{key}/dir", str(tmp.absolute()))
                     t.store.set(f"{key}/prepared", "ok")
             else:
                 t.store.wait([f"{key}/prepared"], timeout)
                 status = t.store.get(f"{key}/prepared").decode()
                 if status != "ok":
                     raise CheckpointError(status)
+                if not tmp.is_dir():  # another directory, or one rank 0 cannot see
+                    theirs = t.store.get(f"{key}/dir").decode()
+                    raise CheckpointError(
+                        f"rank {t.rank}: {tmp.absolute()}: missing, though rank 0 created {theirs}; "
+                        "every rank "
+                        "must save to the same directory, on a filesystem all ranks share"
+                    )
             records = _write_files(t, share, tmp)
             if t.store is not None:
                 t.store.set(f"{key}/rank{t.rank}", json.dumps({"files": records}))
@@ -390,7 +398,7 @@ def _as_checkpoint_error(e: BaseException) -> CheckpointError:
     if isinstance(e, OSError):
         where = f" {e.filename}:" if e.filename else ""
         return CheckpointError(
-            f"writing the checkpoint failed:{where} {e.strerror or e}; the previous checkpoint is intact"
+            f"writing the checkpoint failed:{where} {e.strerror or e}; earlier checkpoints are untouched"
         )
     return CheckpointError(f"writing the checkpoint failed: {type(e).__name__}: {e}")
 

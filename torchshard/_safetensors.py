@@ -155,7 +155,7 @@ class SafetensorsWriter:
 
     def _error(self, e: OSError) -> CheckpointError:
         return CheckpointError(
-            f"{self.path}: cannot write ({e.strerror or e}); the previous checkpoint is intact"
+            f"{self.path}: cannot write ({e.strerror or e}); earlier checkpoints are untouched"
         )
 
     def _put(self, data: memoryview) -> None:
