@@ -327,9 +327,9 @@ class _Writer:
                 if not tmp.is_dir():  # another directory, or one rank 0 cannot see
                     theirs = t.store.get(f"{key}/dir").decode()
                     raise CheckpointError(
-                        f"rank {t.rank}: {tmp.absolute()}: missing, though rank 0 created {theirs}; "
-                        "every rank "
-                        "must save to the same directory, on a filesystem all ranks share"
+                        f"rank {t.rank}: {tmp.absolute()}: missing, though rank 0 created "
+                        f"{theirs}; every rank must save to the same directory, on a "
+                        "filesystem all ranks share"
                     )
             records = _write_files(t, share, tmp)
             if t.store is not None:
