@@ -142,9 +142,9 @@ def test_a_meta_buffer_nothing_writes_is_an_error_naming_it():
 
 
 # -- train, checkpoint, export -------------------------------------------------------------
-def _train_and_save(arch: str, root: str, shard: bool) -> dict:
+def _train_and_save(arch: str, root: str, shard: bool, how: str) -> dict:
     config = tiny_config(arch)
-    model = build(config, "empty")
+    model = build(config, how)
     fm = torchshard.FlatParamModule(model)
     torch.manual_seed(0)
     trainer = torchshard.DistributedTrainer(fm, shard=shard)
@@ -177,10 +177,13 @@ def _train_and_save(arch: str, root: str, shard: bool) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "shard"), [("gpt2", False), ("llama", True)])
-def test_train_save_and_export_for_from_pretrained(arch, shard, tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("arch", "shard", "how"),
+    [("gpt2", False, "empty"), ("llama", True, "empty"), ("llama", False, "meta")],
+)
+def test_train_save_and_export_for_from_pretrained(arch, shard, how, tmp_path, capsys):
     root = tmp_path / "ckpt"
-    out = run_distributed(_train_and_save, 2, arch, str(root), shard, timeout=180)
+    out = run_distributed(_train_and_save, 2, arch, str(root), shard, how, timeout=180)
     assert torch.equal(out[0]["logits"], out[1]["logits"])
     assert all(l0 == l0 for l0 in out[0]["losses"])  # no NaN
 
