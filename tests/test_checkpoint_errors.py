@@ -979,3 +979,18 @@ def test_ranks_saving_to_different_directories_all_raise_naming_it(tmp_path):
         assert "every rank must save to the same directory" in o["message"], (rank, o)
         assert "rank 1" in o["message"], (rank, o)
     assert not list(tmp_path.glob("*/step-*")), "nothing may be committed"
+
+
+def _store_connections() -> list[bool]:
+    from torchshard._ckpt_target import Target
+
+    trainer = torchshard.DistributedTrainer(torchshard.FlatParamModule(torch.nn.Linear(4, 4)))
+    first, second = Target(trainer).store, Target(trainer).store
+    default = dist.distributed_c10d._get_default_store()
+    trainer.close()
+    return [first is second, first is not default]
+
+
+def test_saves_reuse_one_extra_store_connection():
+    # TCPStore.clone() sometimes takes seconds: one connection per process group, not per save
+    assert run_distributed(_store_connections, 2, timeout=60) == [[True, True]] * 2
