@@ -19,7 +19,7 @@ own help (``pydoc_data.topics``), byte by byte. Nothing is downloaded.
         --init-from runs/finetune_hf-model --ckpt-dir runs/finetune_hf-2 --shard
 
     # accelerate's launcher sets the same environment as torchrun
-    accelerate launch --multi_gpu --num_processes 2 examples/finetune_hf.py
+    accelerate launch --multi_gpu --num_processes 2 examples/finetune_hf.py --ckpt-dir runs/finetune_hf-acc
 
 examples/resume.sh runs the whole path: train at 2 ranks, resume at 1 and at 3
 from the same checkpoint, export, and load the result with transformers.
@@ -112,7 +112,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if info.rank == 0:
-        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ckpt = torchshard.checkpoint.Checkpointer(args.ckpt_dir, keep_last=2)
+    if not args.resume and ckpt.latest() is not None:  # never lose a run by relaunching it
+        if info.rank == 0:
+            print(
+                f"finetune_hf: {args.ckpt_dir} holds checkpoints (latest: {ckpt.latest()}); "
+                "--resume continues them, --ckpt-dir picks another directory",
+                file=sys.stderr,
+            )
+        sys.exit(2)
     transformers.logging.set_verbosity_error()
 
     torch.manual_seed(args.seed)
@@ -130,21 +139,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     # The checkpoint stores the model's transformers config: `torchshard consolidate`
     # turns it into a directory that from_pretrained loads.
-    ckpt = torchshard.checkpoint.Checkpointer(args.ckpt_dir, keep_last=2)
     start = 0
     if args.resume and ckpt.latest() is not None:
         resumed = ckpt.load(trainer, optimizer=opt)
         start = resumed.step
         log.info("resumed %s, saved at world size %s", resumed.path, resumed.extra["world_size"])
-    elif ckpt.latest() is not None:  # never lose a run by launching the same command again
-        if info.rank == 0:
-            print(
-                f"finetune_hf: {args.ckpt_dir} holds checkpoints (latest: {ckpt.latest()}); "
-                "--resume continues them, --ckpt-dir picks another directory",
-                file=sys.stderr,
-            )
-        trainer.close()
-        sys.exit(2)
     if start >= args.steps:
         log.info("already at step %d of %d: nothing to train (raise --steps)", start, args.steps)
     log.info(

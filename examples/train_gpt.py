@@ -112,6 +112,20 @@ def main(argv: list[str] | None = None) -> float:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
     if info.rank == 0:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ckpt = (
+        torchshard.checkpoint.Checkpointer(args.ckpt_dir, keep_last=args.keep_last)
+        if args.ckpt_dir
+        else None
+    )
+    if ckpt is not None and not args.resume and not args.overwrite and ckpt.latest() is not None:
+        if info.rank == 0:  # never lose a run by launching the same command again
+            print(
+                f"train_gpt: {args.ckpt_dir} holds checkpoints (latest: {ckpt.latest()}); "
+                "--resume continues them, --overwrite deletes them and starts again, "
+                "--ckpt-dir picks another directory",
+                file=sys.stderr,
+            )
+        sys.exit(2)
 
     overrides = {k: v for k, v in dict(n_layer=args.n_layer, n_embd=args.n_embd).items() if v}
     base = GPTConfig.preset(args.preset)
@@ -146,23 +160,8 @@ def main(argv: list[str] | None = None) -> float:
         groups=[(no_decay, {"weight_decay": 0.0})],
     )
     train, val = load_corpus()
-    ckpt = (
-        torchshard.checkpoint.Checkpointer(args.ckpt_dir, keep_last=args.keep_last)
-        if args.ckpt_dir
-        else None
-    )
     start = 0
     if ckpt is not None and not args.resume and ckpt.latest() is not None:
-        if not args.overwrite:  # never lose a run by launching the same command again
-            if info.rank == 0:
-                print(
-                    f"train_gpt: {args.ckpt_dir} holds checkpoints (latest: {ckpt.latest()}); "
-                    "--resume continues them, --overwrite deletes them and starts again, "
-                    "--ckpt-dir picks another directory",
-                    file=sys.stderr,
-                )
-            trainer.close()
-            sys.exit(2)
         log.info("--overwrite: removing %s's old checkpoints", args.ckpt_dir)
         dist.barrier()  # every rank has looked before rank 0 deletes
         if info.rank == 0:

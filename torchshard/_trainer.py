@@ -161,7 +161,7 @@ class DistributedTrainer:
         self._reset_step()
         self.stats = CommStats(buckets=sum(b.trainable > 0 for b in self._buckets))
         logger.info(
-            "DistributedTrainer: rank %d of %d on %s, %d parameters in %d buckets",
+            "DistributedTrainer: rank %d of %d on %s, %d parameters in %d bucket(s)",
             self.rank,
             self.world_size,
             self.device,
