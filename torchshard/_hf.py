@@ -111,9 +111,9 @@ def init_transformers_model(model: nn.Module) -> None:
 
     ``initialize_weights()`` applies the model's ``_init_weights`` to every
     submodule (composite models dispatch to each sub-model's own), including
-    rotary embeddings' ``inv_freq``; the marks it would skip are cleared first.
+    rotary embeddings' ``inv_freq``. It skips what transformers marked as
+    initialized: clear the marks first (:func:`clear_init_flags`).
     """
-    clear_init_flags(model)
     init = getattr(model, "initialize_weights", None)
     if callable(init):
         init()
