@@ -302,3 +302,26 @@ def test_memory_plan_matches_what_the_trainer_allocates(world_size, shard, dtype
     layout = FlatLayout.from_module(model, dtype=dtype)
     planned = plan_memory(layout, world_size, shard=shard, optimizer=kind)
     assert measured == [p.as_dict() for p in planned]
+
+
+def _optimizer_zero_grad_is_enough() -> bool:
+    """The usual idiom, ``optimizer.zero_grad()``, with a sharded trainer."""
+    results = []
+    for use_optimizer in (True, False):
+        trainer = new_trainer(shard=True)
+        for step in range(4):
+            if use_optimizer:
+                trainer.optimizer.zero_grad()  # reaches only the optimizer's slice pieces
+            else:
+                trainer.zero_grad()
+            trainer.module(*batch(trainer.rank, step))[1].backward()
+            trainer.step()
+        results.append(trainer.module.flat_param[: trainer.module.numel].clone())
+        trainer.close()
+    return torch.equal(*results)
+
+
+def test_optimizer_zero_grad_does_not_let_sharded_gradients_accumulate():
+    # Before: the module's full-size .grad survived optimizer.zero_grad() and every
+    # backward added to all the earlier ones (and a resumed run, starting clean, diverged).
+    assert run_distributed(_optimizer_zero_grad_is_enough, 2, timeout=60) == [True, True]

@@ -13,7 +13,6 @@ rename is the commit.
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import json
 import os
 import shutil
@@ -21,11 +20,11 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ._ckpt_format import (
     build_metadata,
@@ -39,7 +38,7 @@ from ._ckpt_format import (
 from ._ckpt_load import load
 from ._ckpt_optim import OptimizerView, merge_scalars
 from ._ckpt_target import CheckpointInfo, Target
-from ._dist import exchange_bytes
+from ._dist import RankLostError, exchange_bytes
 from ._errors import CheckpointError
 from ._flat_module import FlatParamModule
 from ._hf import transformers_config
@@ -52,8 +51,6 @@ from ._trainer import DistributedTrainer
 __all__ = ["CheckpointFuture", "CheckpointInfo", "Checkpointer", "async_save", "load", "save"]
 
 logger = get_logger(__name__)
-
-_SEQ = itertools.count()  # saves issued by this process: the same sequence on every rank
 
 
 class CheckpointFuture:
@@ -74,7 +71,7 @@ class CheckpointFuture:
             raise
         except BaseException as e:
             self.observed = True
-            raise CheckpointError(f"checkpoint save failed: {type(e).__name__}: {e}") from e
+            raise _as_checkpoint_error(e) from e
         self.observed = True
         return result
 
@@ -104,8 +101,9 @@ class _Share:
 class _Writer:
     """Host staging memory reused across saves, one background thread, one save in flight."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, heartbeat_timeout: float = 10.0) -> None:
         self.timeout = timeout
+        self.heartbeat_timeout = heartbeat_timeout
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torchshard-ckpt")
         self._staging: dict[str, torch.Tensor] = {}
         self._inflight: CheckpointFuture | None = None
@@ -164,7 +162,7 @@ class _Writer:
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"extra: expected a dict of JSON values ({e})") from e
         target = Target(obj)
-        seq = next(_SEQ)
+        seq = target.coord.next_sequence() if target.coord is not None else 0
         root = Path(root)
         cuda = target.device.type == "cuda"
         # A save the caller waits for writes host tensors straight from where they live.
@@ -302,9 +300,32 @@ class _Writer:
         keep_last: int | None,
         background_stage: Callable[[], None] | None,
     ) -> Path:
-        key = f"torchshard/ckpt/{seq}"
+        coord = t.coord
+        key = coord.key("ckpt", seq) if coord is not None else ""
         tmp = tmp_dir(root, share.step)
-        timeout = timedelta(seconds=self.timeout)
+
+        def wait(name: str, ranks: list[int], what: str) -> str:
+            """The value of ``key/name`` once set; a rank that dies meanwhile is an error."""
+            assert coord is not None
+            try:
+                coord.wait(
+                    [f"{key}/{name}"],
+                    ranks,
+                    timeout=self.timeout,
+                    silence=self.heartbeat_timeout,
+                    what=f"{what} of checkpoint step {share.step}",
+                )
+            except RankLostError as e:
+                raise CheckpointError(
+                    f"checkpoint {share.path} not saved: {e}; earlier checkpoints are untouched"
+                ) from e
+            except TimeoutError as e:
+                raise CheckpointError(
+                    f"checkpoint {share.path} not saved: {e}; every rank must call save() at "
+                    "the same step (raise timeout= for slow filesystems)"
+                ) from e
+            return t.store.get(f"{key}/{name}").decode()
+
         try:
             if background_stage is not None:
                 try:
@@ -316,12 +337,11 @@ class _Writer:
                 done.synchronize()
             if t.rank == 0:
                 _prepare(root, tmp, share.path)
-                if t.store is not None:
+                if coord is not None:
                     t.store.set(f"{key}/dir", str(tmp.absolute()))
                     t.store.set(f"{key}/prepared", "ok")
             else:
-                t.store.wait([f"{key}/prepared"], timeout)
-                status = t.store.get(f"{key}/prepared").decode()
+                status = wait("prepared", [0], "rank 0 to prepare the directory")
                 if status != "ok":
                     raise CheckpointError(status)
                 if not tmp.is_dir():  # another directory, or one rank 0 cannot see
@@ -332,31 +352,29 @@ class _Writer:
                         "filesystem all ranks share"
                     )
             records = _write_files(t, share, tmp)
-            if t.store is not None:
+            if coord is not None:
                 t.store.set(f"{key}/rank{t.rank}", json.dumps({"files": records}))
         except BaseException as e:
-            if t.store is not None:
+            if coord is not None:
                 message = f"rank {t.rank}: {e}"
                 if t.rank == 0:
-                    t.store.set(f"{key}/prepared", message)
-                t.store.set(f"{key}/rank{t.rank}", json.dumps({"error": message}))
+                    _tell(t.store, f"{key}/prepared", message)
+                _tell(t.store, f"{key}/rank{t.rank}", json.dumps({"error": message}))
                 if t.rank == 0:
-                    t.store.set(f"{key}/commit", message)
+                    _tell(t.store, f"{key}/commit", message)
             if t.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise _as_checkpoint_error(e) from e
 
         if t.rank != 0:
-            t.store.wait([f"{key}/commit"], timeout)
-            status = t.store.get(f"{key}/commit").decode()
+            status = wait("commit", [0], "rank 0 to commit")
             if status != "ok":
                 raise CheckpointError(f"checkpoint {share.path} was not committed: {status}")
             return share.path
         try:
             files = dict(records)
             for r in range(1, t.world):
-                t.store.wait([f"{key}/rank{r}"], timeout)
-                reply = json.loads(t.store.get(f"{key}/rank{r}"))
+                reply = json.loads(wait(f"rank{r}", [r], f"rank {r}'s files"))
                 if "error" in reply:
                     raise CheckpointError(reply["error"])
                 files.update(reply["files"])
@@ -365,12 +383,19 @@ class _Writer:
             if keep_last is not None:
                 _rotate(root, keep_last, keep=share.path)
         except BaseException as e:
-            if t.store is not None:
-                t.store.set(f"{key}/commit", f"rank 0: {e}")
+            if coord is not None:
+                _tell(t.store, f"{key}/commit", f"rank 0: {e}")
             shutil.rmtree(tmp, ignore_errors=True)
             raise _as_checkpoint_error(e) from e
-        if t.store is not None:
+        if coord is not None:
             t.store.set(f"{key}/commit", "ok")
+            # Every rank has finished the previous save (it sent its files for this one
+            # only after): its keys are read by no one any more. The store outlives runs.
+            before = coord.key("ckpt", seq - 1)
+            coord.delete(
+                [f"{before}/{k}" for k in ("dir", "prepared", "commit")]
+                + [f"{key}/rank{r}" for r in range(1, t.world)]
+            )
         logger.info("checkpoint committed: %s", share.path)
         return share.path
 
@@ -392,9 +417,23 @@ class _Writer:
             self._staging.clear()
 
 
+def _tell(store: Any, key: str, value: str) -> None:
+    """Report a failure to the other ranks, if the store is still there to carry it."""
+    try:
+        store.set(key, value)
+    except Exception:
+        logger.debug("could not report a failed save through the store", exc_info=True)
+
+
 def _as_checkpoint_error(e: BaseException) -> CheckpointError:
     if isinstance(e, CheckpointError):
         return e
+    if isinstance(e, dist.DistNetworkError):
+        return CheckpointError(
+            f"checkpoint save failed: the process group's store is unreachable ({e}): the "
+            "process hosting it (global rank 0, unless torchrun's agent hosts it) has most "
+            "likely died; earlier checkpoints are untouched"
+        )
     if isinstance(e, OSError):
         where = f" {e.filename}:" if e.filename else ""
         return CheckpointError(
@@ -503,7 +542,13 @@ class Checkpointer:
     """Saves under one root, one save in flight, keeping the ``keep_last`` newest checkpoints.
 
     Old checkpoints are deleted only after a new one is committed, so the
-    newest complete checkpoint always survives.
+    newest complete checkpoint always survives. Ranks coordinate a save through
+    the process group's store, under keys private to the trainer's group and run
+    attempt (a worker restarted by ``torchrun --max-restarts`` never reads the
+    keys of the attempt before). A rank that waits for another whose heartbeat
+    stopped for ``heartbeat_timeout`` seconds (its process died) fails the save
+    with a :class:`CheckpointError` naming it; ``timeout`` bounds the wait for
+    ranks that are alive but never call ``save``.
 
     Example::
 
@@ -518,7 +563,12 @@ class Checkpointer:
     """
 
     def __init__(
-        self, root: str | os.PathLike[str], *, keep_last: int | None = 3, timeout: float = 600.0
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = 3,
+        timeout: float = 600.0,
+        heartbeat_timeout: float = 10.0,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise CheckpointError(
@@ -528,9 +578,13 @@ class Checkpointer:
             raise CheckpointError(
                 f"timeout: expected a positive number of seconds, got {timeout!r}"
             )
+        if not heartbeat_timeout > 0:
+            raise CheckpointError(
+                f"heartbeat_timeout: expected a positive number of seconds, got {heartbeat_timeout!r}"
+            )
         self.root = Path(root)
         self.keep_last = keep_last
-        self._writer = _Writer(timeout)
+        self._writer = _Writer(timeout, heartbeat_timeout)
 
     def save(
         self,

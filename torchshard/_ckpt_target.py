@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,9 @@ class Target:
             )
         if not self.fm.is_bound:
             raise CheckpointError("trainer: the FlatParamModule is not bound to a buffer yet")
-        self.store = _own_connection() if self.world > 1 else None
+        # Keys private to the trainer's group and run attempt, and the ranks' heartbeats.
+        self.coord = self.trainer.coordinator if self.trainer is not None else None
+        self.store = self.coord.store if self.coord is not None else None
 
     @property
     def sharded_optimizer(self) -> torch.optim.Optimizer | None:
@@ -62,23 +63,3 @@ class Target:
         names = {n for s in self.fm.layout for n in s.names}
         sd = self.fm.module.state_dict(keep_vars=True)
         return {k: v for k, v in sd.items() if k not in names and isinstance(v, torch.Tensor)}
-
-
-# One extra connection per default store, made once: saves write from a background thread
-# while the training thread may use the default store, and TCPStore.clone() now and then
-# takes seconds (its connect backs off), so it must not run on every save.
-_CLONES: dict[int, tuple[Any, Any]] = {}
-_CLONES_LOCK = threading.Lock()
-
-
-def _own_connection() -> Any:
-    store = dist.distributed_c10d._get_default_store()
-    clone = getattr(store, "clone", None)
-    if clone is None:
-        return store
-    with _CLONES_LOCK:
-        cached = _CLONES.get(id(store))
-        if cached is None or cached[0] is not store:
-            _CLONES.clear()  # a new process group: the old connection is of no use
-            cached = _CLONES[id(store)] = (store, clone())
-        return cached[1]

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import atexit
 import os
+import threading
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,7 +17,7 @@ import torch.distributed as dist
 from ._errors import TorchShardError
 from ._log import get_logger
 
-__all__ = ["DistInfo", "init_distributed"]
+__all__ = ["Coordinator", "DistInfo", "RankLostError", "init_distributed"]
 
 logger = get_logger(__name__)
 
@@ -79,7 +83,18 @@ def init_distributed(
             kwargs["timeout"] = (
                 timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
             )
-        if "WORLD_SIZE" in os.environ:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent keeps one store for the whole job, across restarts: a
+            # restarted worker would read the previous attempt's keys (gloo's peer
+            # addresses, NCCL's unique id) and fail to connect (pytorch#135712).
+            dist.init_process_group(
+                backend,
+                store=_attempt_store(kwargs.get("timeout")),
+                rank=_env_int("RANK", 0),
+                world_size=_env_int("WORLD_SIZE", 1),
+                **kwargs,
+            )
+        elif "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, **kwargs)
         else:  # a world of one, no rendezvous needed
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
@@ -87,6 +102,19 @@ def init_distributed(
         atexit.register(_destroy_at_exit)
         logger.debug("initialized %s process group", backend)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def _attempt_store(timeout: timedelta | None) -> dist.Store:
+    """A client of torchrun's agent store whose keys are private to this run attempt."""
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        _env_int("MASTER_PORT", 29500),
+        _env_int("WORLD_SIZE", 1),
+        is_master=False,
+        timeout=timeout or timedelta(minutes=10),
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"torchshard/attempt-{attempt}/", store)
 
 
 def destroy_owned_group() -> None:
@@ -119,3 +147,119 @@ def exchange_bytes(
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine, group=group)
     return [bytes(p[: int(k.item())].cpu().tolist()) for p, k in zip(parts, lengths)]
+
+
+# -- coordination through the store ------------------------------------------------------------
+# One extra connection per default store, made once: checkpoint saves wait on the store from a
+# background thread while the training thread may use the default one, and TCPStore.clone()
+# now and then takes seconds (its connect backs off), so it must not run per save.
+_CLONES: dict[int, tuple[Any, Any]] = {}
+_CLONES_LOCK = threading.Lock()
+
+
+def own_connection() -> Any:
+    """This process's second connection to the default group's store (made once)."""
+    store = dist.distributed_c10d._get_default_store()
+    clone = getattr(store, "clone", None)
+    if clone is None:
+        return store
+    with _CLONES_LOCK:
+        cached = _CLONES.get(id(store))
+        if cached is None or cached[0] is not store:
+            _CLONES.clear()  # a new process group: the old connection is of no use
+            cached = _CLONES[id(store)] = (store, clone())
+        return cached[1]
+
+
+class RankLostError(TorchShardError):
+    """A rank stopped beating while others waited for it (its process died or froze)."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class Coordinator:
+    """Store keys private to one trainer's group and run attempt, and a heartbeat per rank.
+
+    ``token`` is agreed by the ranks of the group when the trainer is built, so keys of
+    an earlier attempt (torchrun's agent store outlives its workers) or of another group
+    using the same store at the same time are never read. Each rank sets its heartbeat
+    key every ``interval`` seconds from a daemon thread; :meth:`wait` gives up on a rank
+    whose heartbeat has not moved for ``silence`` seconds instead of waiting for the
+    full timeout.
+    """
+
+    def __init__(self, token: str, rank: int, world_size: int, interval: float = 1.0) -> None:
+        self.prefix = f"torchshard/{token}"
+        self.rank, self.world_size, self.interval = rank, world_size, interval
+        self._seq = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._beat, name=f"torchshard-heartbeat-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def key(self, *parts: object) -> str:
+        return "/".join([self.prefix, *map(str, parts)])
+
+    def next_sequence(self) -> int:
+        """The next save's number: the same sequence on every rank of the group."""
+        self._seq += 1
+        return self._seq
+
+    @property
+    def store(self) -> Any:
+        return own_connection()
+
+    def _beat(self) -> None:
+        key = self.key("alive", self.rank)
+        try:
+            store = own_connection()
+            while not self._stop.is_set():
+                store.add(key, 1)
+                self._stop.wait(self.interval)
+        except Exception:  # the group is gone (teardown, interpreter exit): stop beating
+            logger.debug("heartbeat of rank %d stopped", self.rank, exc_info=True)
+
+    def wait(
+        self, keys: list[str], ranks: Iterable[int], *, timeout: float, silence: float, what: str
+    ) -> None:
+        """Wait until every key in ``keys`` is set (by ``ranks``).
+
+        Polls (a store's timed wait logs a warning each time it expires), 10 ms at
+        first, backing off to 0.25 s.
+
+        Raises:
+            RankLostError: a rank in ``ranks`` has not beaten for ``silence`` seconds
+                (never having beaten counts from the start of the wait).
+            TimeoutError: ``timeout`` seconds passed with every rank alive.
+        """
+        store, ranks = self.store, sorted(set(ranks))
+        start = time.monotonic()
+        seen = {r: (-1, start) for r in ranks}  # heartbeat count, when it last moved
+        pause = 0.01
+        while not store.check(keys):
+            time.sleep(pause)
+            pause = min(2 * pause, 0.25)
+            now = time.monotonic()
+            for r in ranks:
+                count = store.add(self.key("alive", r), 0)  # read without blocking
+                if count != seen[r][0]:
+                    seen[r] = (count, now)
+                elif now - seen[r][1] >= silence:
+                    raise RankLostError(
+                        f"rank {r} stopped responding while rank {self.rank} waited for {what}: "
+                        f"no heartbeat for {now - seen[r][1]:.1f} s (its process died or froze)",
+                        r,
+                    )
+            if now - start >= timeout:
+                raise TimeoutError(f"rank {self.rank}: {what}: not done after {timeout:.0f} s")
+
+    def delete(self, keys: Iterable[str]) -> None:
+        store = self.store
+        for k in keys:
+            store.delete_key(k)
+
+    def close(self) -> None:
+        self._stop.set()

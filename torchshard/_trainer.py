@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ._buckets import Bucket, plan_buckets
-from ._dist import destroy_owned_group, exchange_bytes, init_distributed
+from ._dist import Coordinator, destroy_owned_group, exchange_bytes, init_distributed
 from ._errors import RankMismatchError, TorchShardError
 from ._flat_module import FlatParamModule
 from ._layout import FlatLayout
@@ -127,6 +128,7 @@ class DistributedTrainer:
         self._bind(fm, init_fn)
         self._flat = fm.flat_param
         self._closed = False
+        self._coordinator: Coordinator | None = None
         self._check_same_model(src)
         self.broadcast(src)
 
@@ -174,6 +176,12 @@ class DistributedTrainer:
         """The group the trainer communicates over (``None``: the default group)."""
         return self._group
 
+    @property
+    def coordinator(self) -> Coordinator | None:
+        """Store keys private to this trainer's group and run attempt, and the ranks'
+        heartbeats (``None`` in a world of one); the checkpoint layer coordinates through it."""
+        return self._coordinator
+
     # -- set-up ---------------------------------------------------------------------
     def _pick_device(self, fm: FlatParamModule, device: torch.device | str | None) -> torch.device:
         if device is not None:
@@ -220,9 +228,17 @@ class DistributedTrainer:
         buffers = [[n, list(b.shape), str(b.dtype)] for n, b in self.module.module.named_buffers()]
         mine = layout.fingerprint() + hashlib.sha256(json.dumps(buffers).encode()).hexdigest()[:32]
         mine += "m" if self._mask_store is not None else "-"
-        everyone = exchange_bytes(mine.encode(), self._group, self.device)
+        # The same exchange agrees a token (rank src's) naming this trainer's keys in the
+        # store: unique per group and per run attempt, see Coordinator.
+        replies = exchange_bytes(
+            f"{mine} {secrets.token_hex(8)}".encode(), self._group, self.device
+        )
+        everyone = [r.decode().split(" ")[0] for r in replies]
         bad = [r for r, fp in enumerate(everyone) if fp != everyone[src]]
         if not bad:
+            if self.world_size > 1:
+                token = replies[src].decode().split(" ")[1]
+                self._coordinator = Coordinator(token, self.rank, self.world_size)
             return
         # Every rank reaches this point (they all saw the same fingerprints), so
         # one more exchange, of the full descriptions, is safe.
@@ -540,7 +556,8 @@ class DistributedTrainer:
     @torch.no_grad()
     def step(self) -> None:
         """Average (reduce) the gradients if not done yet, step the optimizer, and in sharded
-        mode write the updated slice back and all-gather every rank's slice."""
+        mode write the updated slice back, all-gather every rank's slice, and drop the
+        module's full-size ``.grad`` (so ``optimizer.zero_grad()`` suffices, as usual)."""
         self._check_open()
         if self._optimizer is None:
             raise TorchShardError("step(): build the optimizer with trainer.make_optimizer() first")
@@ -549,6 +566,11 @@ class DistributedTrainer:
         self._optimizer.step()
         if self.shard:
             self.gather_slices()
+            # The full-size gradient was consumed by the reduction (FSDP frees it too).
+            # The optimizer holds slice pieces, so `optimizer.zero_grad()` cannot reach the
+            # module's `.grad`: left set, the next backward would add to this step's.
+            for i in self._trainable:
+                self._params[i].grad = None
         self._averaged = False
 
     @torch.no_grad()
@@ -657,6 +679,8 @@ class DistributedTrainer:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        if self._coordinator is not None:
+            self._coordinator.close()
         for h in self._hooks:
             h.remove()
         for work in self._works:

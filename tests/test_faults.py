@@ -1,0 +1,251 @@
+"""Faults, survived: workers killed under torchrun, dead ranks, concurrent groups saving.
+
+The restart tests run the real launcher (``python -m torch.distributed.run
+--max-restarts 1``) on ``fault_worker.py``, which SIGKILLs one rank at a chosen point
+on the first attempt only; the oracle is the same run never interrupted, compared
+bitwise: every parameter and every optimizer state tensor of every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiprocess import free_port, run_distributed
+
+import torchshard
+from torchshard import checkpoint
+from torchshard._ckpt_format import complete_checkpoints
+
+HERE = Path(__file__).resolve().parent
+WORKER = str(HERE / "fault_worker.py")
+STEPS, SAVE_EVERY = 12, 3
+
+
+def clean_env() -> dict[str, str]:
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "GROUP_", "ROLE_", "TORCHELASTIC")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def torchrun(out: Path, *args: str, restarts: int = 1) -> subprocess.CompletedProcess:
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+        *("--nproc-per-node", "2", "--max-restarts", str(restarts), "--monitor-interval", "0.1"),
+        *(WORKER, str(out), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *args),
+    ]
+    out.mkdir(parents=True)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
+
+
+def final_state(out: Path) -> dict[str, bytes]:
+    files = sorted(out.glob("final-rank*/*.bin"))
+    assert files, f"{out}: no final state written"
+    return {str(f.relative_to(out)): f.read_bytes() for f in files}
+
+
+def attempts(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "attempts.log").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory) -> dict[bool, dict[str, bytes]]:
+    """The uninterrupted runs, replicated and sharded."""
+    states = {}
+    for shard in (False, True):
+        out = tmp_path_factory.mktemp("oracle") / "run"
+        run = torchrun(out, *(["--shard"] if shard else []), restarts=0)
+        assert run.returncode == 0, run.stdout + run.stderr
+        states[shard] = final_state(out)
+    return states
+
+
+# (kill, sharded, the steps the restarted attempt may resume from: the last committed)
+FAULTS = [
+    ("7:1:before-save", False, {3, 6}),  # between saves; step 6's async save may be unfinished
+    ("6:1:during-save", False, {3}),  # rank 1 dies with half a file written: step 6 is lost
+    ("6:0:during-save", False, {3}),  # rank 0, which commits, dies while writing
+    ("6:0:in-commit", False, {3}),  # every file durable, rank 0 dies before the rename
+    ("6:1:after-save", False, {6}),  # right after step 6 was committed
+    ("6:1:during-save", True, {3}),  # FSDP-lite: optimizer state sharded
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kill", "shard", "resume_at"), FAULTS, ids=[f"{k}-{s}" for k, s, _ in FAULTS]
+)
+def test_killed_worker_restarted_by_torchrun_ends_bitwise_as_uninterrupted(
+    tmp_path, oracle, kill, shard, resume_at
+):
+    out = tmp_path / "run"
+    run = torchrun(out, "--kill", kill, *(["--shard"] if shard else []))
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log
+    _, rank, _ = kill.split(":")
+    assert f"fault_worker: rank {rank} killed" in log, log
+    runs = attempts(out)
+    assert sorted((a["restart"], a["rank"]) for a in runs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    starts = {a["start"] for a in runs if a["restart"] == 1}
+    assert len(starts) == 1 and starts <= resume_at, runs
+    assert final_state(out) == oracle[shard]
+    # the aborted save left nothing behind; rotation kept the two newest
+    names = sorted(p.name for p in (out / "ckpt").iterdir())
+    assert names == ["step-00000009", "step-00000012"], names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dead", [1, 0])
+def test_survivor_of_a_rank_killed_mid_save_fails_in_seconds(tmp_path, dead):
+    """No launcher to tear the survivor down: the heartbeat is what tells it."""
+    out = tmp_path / "run"
+    out.mkdir()
+    port, procs = free_port(), []
+    for rank in (0, 1):
+        env = clean_env() | {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+        }
+        cmd = [sys.executable, WORKER, str(out), "--kill", f"6:{dead}:during-save", "--blocking"]
+        cmd += ["--heartbeat-timeout", "2"]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    logs = [p.communicate(timeout=120)[0] for p in procs]
+    survivor = 1 - dead
+    assert procs[dead].returncode == -9, logs[dead]
+    assert procs[survivor].returncode == 3, logs[survivor]
+    line = next(x for x in logs[survivor].splitlines() if "CheckpointError" in x)
+    # the survivor names the dead rank: its heartbeat stopped, or (rank 0 hosts the store
+    # without torchrun) the store went with it; not the 600 s timeout
+    if dead == 1:
+        assert "rank 1 stopped responding" in line, line
+    else:
+        assert "store is unreachable" in line and "global rank 0" in line, line
+    assert "earlier checkpoints are untouched" in line, line
+    killed_at = float(re.search(r"killed .* at ([\d.]+)", logs[dead]).group(1))
+    failed_at = float(re.search(r"CheckpointError at ([\d.]+)", line).group(1))
+    print(
+        f"survivor rank {survivor} noticed rank {dead}'s death after {failed_at - killed_at:.2f} s"
+    )
+    # the previous checkpoint is intact and loads; the interrupted one is gone
+    assert [s for s, _ in complete_checkpoints(out / "ckpt")] == [3]
+    if dead == 1:  # rank 0 cleans up its temporary directory; a dead rank 0 cannot
+        assert not list((out / "ckpt").glob(".tmp-*"))
+    fm = torchshard.FlatParamModule(
+        torch.nn.Sequential(
+            torch.nn.Linear(13, 32),
+            torch.nn.GELU(),
+            torch.nn.Linear(32, 32),
+            torch.nn.Tanh(),
+            torch.nn.Linear(32, 5),
+        )
+    )
+    fm.bind(torch.zeros(fm.numel))
+    assert checkpoint.load(out / "ckpt" / "step-00000003", fm).step == 3
+
+
+# -- concurrent groups -------------------------------------------------------------------------
+def _two_groups_save_concurrently(root: str) -> list[bool]:
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    torch.manual_seed(rank // 2)  # each group its own model
+    fm = torchshard.FlatParamModule(
+        torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 3))
+    )
+    trainer = torchshard.DistributedTrainer(fm, process_group=mine, shard=rank // 2 == 1)
+    if trainer.shard:
+        opt = trainer.make_optimizer(torch.optim.AdamW, lr=0.1)
+    else:
+        opt = torch.optim.AdamW(fm.parameters(), lr=0.1)
+    ckpt = checkpoint.Checkpointer(f"{root}/group{rank // 2}", keep_last=None)
+    saved = {}
+    for step in range(1, 6):
+        opt.zero_grad()
+        fm(
+            torch.randn(4, 6, generator=torch.Generator().manual_seed(step * 10 + rank))
+        ).sum().backward()
+        if trainer.shard:
+            trainer.step()
+        else:
+            trainer.average_gradients()
+            opt.step()
+        ckpt.save(trainer, step=step, optimizer=opt, extra={"group": rank // 2})
+        saved[step] = {k: v.clone() for k, v in fm.state_dict().items()}
+    ckpt.close()
+    same = []
+    for step, state in saved.items():
+        fresh = torchshard.FlatParamModule(
+            torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 3))
+        )
+        t2 = torchshard.DistributedTrainer(fresh, process_group=mine)
+        info = checkpoint.load(f"{root}/group{rank // 2}/step-{step:08d}", t2)
+        same.append(
+            info.extra == {"group": rank // 2}
+            and all(torch.equal(v, state[k]) for k, v in fresh.state_dict().items())
+        )
+        t2.close()
+    trainer.close()
+    return same
+
+
+@pytest.mark.slow
+def test_two_groups_save_concurrently_and_each_loads_back_what_it_saved(tmp_path):
+    out = run_distributed(_two_groups_save_concurrently, 4, str(tmp_path), timeout=120)
+    assert out == [[True] * 5] * 4
+    for g in (0, 1):
+        assert [s for s, _ in complete_checkpoints(tmp_path / f"group{g}")] == [1, 2, 3, 4, 5]
+
+
+def _keys_are_private() -> list[str]:
+    fm = torchshard.FlatParamModule(torch.nn.Linear(2, 2))
+    a, b = torchshard.DistributedTrainer(fm), torchshard.DistributedTrainer(fm)
+    out = [a.coordinator.prefix, b.coordinator.prefix]
+    a.close()
+    b.close()
+    return out
+
+
+def test_each_trainer_agrees_its_own_key_namespace():
+    (a0, b0), (a1, b1), (a2, b2) = run_distributed(_keys_are_private, 3, timeout=60)
+    assert a0 == a1 == a2 and b0 == b1 == b2  # agreed across the group
+    assert a0 != b0  # two trainers (or two run attempts) never share keys
+
+
+def _one_rank_never_saves(root: str) -> str:
+    fm = torchshard.FlatParamModule(torch.nn.Linear(2, 2))
+    trainer = torchshard.DistributedTrainer(fm)
+    ckpt = checkpoint.Checkpointer(root, timeout=1.5)
+    message = ""
+    if trainer.rank == 0:
+        try:
+            ckpt.save(trainer, step=1, blocking=True)
+        except checkpoint.CheckpointError as e:
+            message = str(e)
+    dist.barrier()
+    trainer.close()
+    return message
+
+
+def test_a_rank_that_is_alive_but_never_saves_is_a_timeout_naming_the_step(tmp_path):
+    message = run_distributed(_one_rank_never_saves, 2, str(tmp_path), timeout=60)[0]
+    assert "not done after 2 s" in message and "rank 1's files of checkpoint step 1" in message, (
+        message
+    )
+    assert "every rank must call save() at the same step" in message, message
+    assert not complete_checkpoints(tmp_path)
