@@ -2,7 +2,10 @@
 
 The model is a transformers model as it is (Llama or GPT-2 architecture, from
 a config or from a local ``from_pretrained`` directory); the text is Python's
-own help (``pydoc_data.topics``), byte by byte. Nothing is downloaded.
+own help (``pydoc_data.topics``), byte by byte, served by a DataLoader through
+torchshard.GlobalBatchSampler (the same global batches at any world size; the
+checkpoint holds the data position, so a resume continues the epoch exactly).
+Nothing is downloaded.
 
     # a small Llama from its config, two processes (gloo on CPU, NCCL on GPUs)
     torchrun --standalone --nproc-per-node 2 examples/finetune_hf.py
@@ -40,7 +43,7 @@ import transformers
 from accelerate import init_empty_weights
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_gpt import batch_generator, get_batch, load_corpus
+from train_gpt import forever, get_batch, load_corpus, load_data_state, make_loader
 
 import torchshard
 import torchshard.checkpoint
@@ -69,7 +72,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument("--init-from", metavar="DIR", help="a local from_pretrained directory")
     p.add_argument("--steps", type=int, default=200, help="length of the run (and its schedule)")
     p.add_argument("--stop-at", type=int, help="stop after this step, as if interrupted")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=12,
+        help="sequences per step, all ranks together (the global batch; the world size\n"
+        "must divide it). Was per rank before the data position became world-size\n"
+        "free: 8 per rank at 2 ranks is --batch-size 16",
+    )
+    p.add_argument(
+        "--num-workers", type=int, default=1, help="DataLoader worker processes per rank (0: none)"
+    )
     p.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -124,6 +137,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         sys.exit(2)
     transformers.logging.set_verbosity_error()
 
+    train, val = load_corpus()
+    sampler, loader = make_loader(
+        train, args.block_size, args.batch_size, args.seed, args.num_workers, info.device
+    )
     torch.manual_seed(args.seed)
     model = build_model(args, info.rank)
     if args.gradient_checkpointing:  # transformers 5 renamed gradient_checkpointing_enable
@@ -144,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         resumed = ckpt.load(trainer, optimizer=opt)
         start = resumed.step
         log.info("resumed %s, saved at world size %s", resumed.path, resumed.extra["world_size"])
+        load_data_state(sampler, resumed.extra)
     if start >= args.steps:
         log.info("already at step %d of %d: nothing to train (raise --steps)", start, args.steps)
     log.info(
@@ -155,8 +173,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "sharded" if args.shard else "replicated",
     )
 
-    train, val = load_corpus()
     losses: list[float] = []
+    batches = forever(sampler.track(loader))  # counts what the loop received: saved below
     last = min(args.steps, args.stop_at or args.steps)
     for step in range(start + 1, last + 1):
         for group in opt.param_groups:  # linear warm-up, then cosine to a tenth
@@ -165,8 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 * min(1.0, step / 10)
                 * (0.55 + 0.45 * math.cos(math.pi * step / args.steps))
             )
-        gen = batch_generator(args.seed, info.rank, step, 0)
-        x, _ = get_batch(train, args.batch_size, args.block_size, gen, info.device)
+        x = next(batches)[0].to(info.device, non_blocking=True)  # (input, shifted): input only
         trainer.zero_grad()
         loss = fm(input_ids=x, labels=x).loss  # transformers shifts the labels
         loss.backward()
@@ -178,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if step % args.log_every == 0 or step == last:
             log.info("step %4d  loss %.4f", step, losses[-1])
         if step % args.save_every == 0 or step == last:
-            ckpt.save(trainer, step=step, optimizer=opt, extra={"world_size": info.world_size})
+            extra = {"world_size": info.world_size, "data": sampler.state_dict()}
+            ckpt.save(trainer, step=step, optimizer=opt, extra=extra)
     ckpt.close()
 
     fm.eval()

@@ -1,7 +1,11 @@
 r"""Train a small GPT on text that ships with Python, data-parallel with torchshard.
 
 The corpus is Python's own help text (``pydoc_data.topics``, ~0.5 MB, part of
-every CPython install), modelled byte by byte. Nothing is downloaded.
+every CPython install), modelled byte by byte. Nothing is downloaded. It is cut
+into sequences that a DataLoader serves through torchshard.GlobalBatchSampler:
+the global batches are the same at any world size, and the checkpoint records
+how many of the epoch's the loop received, so a resume at another world size
+continues the epoch exactly (docs/data.md).
 
     # two processes on this machine (gloo on CPU, NCCL on GPUs)
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
@@ -42,6 +46,7 @@ from pydoc_data.topics import topics
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig, init_gpt_weights
@@ -59,8 +64,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-embd", type=int, help="override the preset's width")
     p.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=24,
+        help="sequences per micro-batch, all ranks together (the global batch; the world\n"
+        "size must divide it). Was per rank before the data position became\n"
+        "world-size free: 16 per rank at 2 ranks is --batch-size 32",
+    )
+    p.add_argument(
+        "--grad-accum", type=int, default=1, help="micro-batches (global batches) per step"
+    )
+    p.add_argument(
+        "--num-workers", type=int, default=1, help="DataLoader worker processes per rank (0: none)"
+    )
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
@@ -91,8 +108,72 @@ def load_corpus() -> tuple[torch.Tensor, torch.Tensor]:
     return data[:n], data[n:]
 
 
+class TextBlocks(Dataset):
+    """Sample i: bytes ``i * block`` to ``(i + 1) * block`` as input, the same shifted by one
+    as target (non-overlapping sequences: an epoch reads the text once)."""
+
+    def __init__(self, data: torch.Tensor, block: int) -> None:
+        self.data, self.block = data, block
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.block
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.data[i * self.block : (i + 1) * self.block + 1]
+        return chunk[:-1], chunk[1:]
+
+
+def make_loader(
+    data: torch.Tensor, block: int, global_batch: int, seed: int, workers: int, device
+) -> tuple[torchshard.GlobalBatchSampler, DataLoader]:
+    """This rank's part of each global batch of ``global_batch`` sequences, in an order that
+    is the same at any world size. Exits with the reason if the world size does not divide
+    ``global_batch``."""
+    dataset = TextBlocks(data, block)
+    try:
+        sampler = torchshard.GlobalBatchSampler(len(dataset), global_batch, seed=seed)
+    except torchshard.DataError as e:
+        dist.barrier()  # every rank fails alike; none leaves while a peer still connects
+        raise SystemExit(f"--batch-size {global_batch} (the global batch): {e}") from e
+    loader = DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=workers,
+        persistent_workers=workers > 0,  # start them once, not every epoch
+        pin_memory=torch.device(device).type == "cuda",
+    )
+    return sampler, loader
+
+
+def load_data_state(sampler: torchshard.GlobalBatchSampler, extra: dict) -> None:
+    """Continue the data where the checkpoint's loop stopped receiving it (at any world size)."""
+    if "data" not in extra:
+        log.info("the checkpoint holds no data position: the data starts at epoch 0")
+        return
+    try:
+        sampler.load_state_dict(extra["data"])
+    except torchshard.DataError as e:
+        raise SystemExit(
+            f"the checkpoint's data position does not fit this run: {e} "
+            "(--batch-size, --block-size and --seed must be the saved run's)"
+        ) from e
+    log.info(
+        "data: epoch %d, global batch %d of %d",
+        sampler.epoch,
+        extra["data"]["consumed"],
+        len(sampler),
+    )
+
+
+def forever(batches):
+    """Pass after pass (epoch after epoch) over ``batches``."""
+    while True:
+        yield from batches
+
+
 def batch_generator(seed: int, rank: int, step: int, micro: int) -> torch.Generator:
-    """Data depends only on (seed, rank, step, micro): a resumed run sees what it would have."""
+    """Random windows that depend only on (seed, rank, step, micro), for the benchmarks (the
+    example reads sequences through make_loader)."""
     return torch.Generator().manual_seed(
         ((seed * 1_000_003 + rank) * 1_000_003 + step) * 64 + micro
     )
@@ -127,6 +208,10 @@ def main(argv: list[str] | None = None) -> float:
             )
         sys.exit(2)
 
+    train, val = load_corpus()
+    sampler, loader = make_loader(
+        train, args.block_size, args.batch_size, args.seed, args.num_workers, info.device
+    )
     overrides = {k: v for k, v in dict(n_layer=args.n_layer, n_embd=args.n_embd).items() if v}
     base = GPTConfig.preset(args.preset)
     # bytes are the tokens: vocab_size 256 whatever the preset says
@@ -159,7 +244,6 @@ def main(argv: list[str] | None = None) -> float:
         weight_decay=0.1,
         groups=[(no_decay, {"weight_decay": 0.0})],
     )
-    train, val = load_corpus()
     start = 0
     if ckpt is not None and not args.resume and ckpt.latest() is not None:
         log.info("--overwrite: removing %s's old checkpoints", args.ckpt_dir)
@@ -180,6 +264,7 @@ def main(argv: list[str] | None = None) -> float:
                 resumed.extra["world_size"],
                 resumed.extra["loss"],
             )
+            load_data_state(sampler, resumed.extra)
     log.info(
         "world %d on %s, %s: %.2fM parameters, corpus %d bytes, %d buckets",
         info.world_size,
@@ -190,7 +275,9 @@ def main(argv: list[str] | None = None) -> float:
         trainer.stats.buckets,
     )
 
-    tokens_per_step = args.batch_size * args.block_size * args.grad_accum * info.world_size
+    tokens_per_step = args.batch_size * args.block_size * args.grad_accum  # all ranks
+    # Counted as the loop receives them (the workers draw ahead): what a checkpoint saves.
+    batches = forever(sampler.track(loader))
     t_last, wait_last, loss_sum, n_logged, first_loss = time.perf_counter(), 0.0, 0.0, 0, None
     mean_loss = float("nan")
     for step in range(start + 1, args.steps + 1):
@@ -200,8 +287,7 @@ def main(argv: list[str] | None = None) -> float:
             group["lr"] = lr
         trainer.zero_grad()
         for micro in range(args.grad_accum):
-            gen = batch_generator(args.seed, info.rank, step, micro)  # different data per rank
-            x, y = get_batch(train, args.batch_size, args.block_size, gen, info.device)
+            x, y = (t.to(info.device, non_blocking=True) for t in next(batches))
             sync_later = micro < args.grad_accum - 1
             with trainer.no_sync() if sync_later else contextlib.nullcontext():
                 _, loss = fm(x, y)
@@ -230,7 +316,8 @@ def main(argv: list[str] | None = None) -> float:
         if ckpt is not None and (step % args.save_every == 0 or step == args.steps):
             # Returns at once; the weights are staged in the background and written
             # while training goes on (the next optimizer step waits for the staging copy).
-            extra = {"world_size": info.world_size, "loss": mean_loss}
+            # The data position: world-size free, the same on every rank, JSON.
+            extra = {"world_size": info.world_size, "loss": mean_loss, "data": sampler.state_dict()}
             ckpt.save(trainer, step=step, optimizer=opt, extra=extra)
 
     if ckpt is not None:

@@ -20,7 +20,7 @@ pytest.importorskip("accelerate")
 
 ROOT = Path(__file__).resolve().parent.parent
 FINETUNE = str(ROOT / "examples" / "finetune_hf.py")
-SMALL = "--block-size 32 --batch-size 2 --save-every 2 --log-every 2"
+SMALL = "--block-size 32 --batch-size 6 --save-every 2 --log-every 2"  # global: 1, 2 and 3 ranks
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ EXAMPLE = str(ROOT / "examples" / "train_gpt.py")
 def small(steps: int = 30, log_every: int = 10) -> list[str]:
     """Small enough for a test, big enough to see the loss fall."""
     return [
-        *("--preset", "tiny", "--block-size", "16", "--batch-size", "8", "--lr", "1e-2"),
+        *("--preset", "tiny", "--block-size", "16", "--batch-size", "12", "--lr", "1e-2"),
         *("--threads", "1", "--steps", str(steps), "--log-every", str(log_every)),
     ]
 
@@ -134,6 +134,7 @@ def test_example_stops_and_resumes_at_another_world_size(tmp_path):
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     assert "resumed from" in text and "step-00000030 (saved at world size 2" in text, text
+    assert "data: epoch 0, global batch 30 of" in text, text  # the data continues there too
     steps = [int(line.split()[1]) for line in text.splitlines() if line.startswith("step ")]
     assert steps == [35, 40], text
 

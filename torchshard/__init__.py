@@ -1,22 +1,25 @@
 """torchshard: data-parallel PyTorch training with one flat buffer of weights per device."""
 
 from ._dist import DistInfo, init_distributed
-from ._errors import BindError, LayoutError, RankMismatchError, TorchShardError
+from ._errors import BindError, DataError, LayoutError, RankMismatchError, TorchShardError
 from ._flat_module import FlatParamModule
 from ._layout import FlatLayout, ParamSlot
 from ._log import set_log_ranks
 from ._memory import RankMemory, plan_memory
 from ._trainer import CommStats, DistributedTrainer
+from .data import GlobalBatchSampler
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BindError",
     "CommStats",
+    "DataError",
     "DistInfo",
     "DistributedTrainer",
     "FlatLayout",
     "FlatParamModule",
+    "GlobalBatchSampler",
     "LayoutError",
     "ParamSlot",
     "RankMemory",

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["BindError", "CheckpointError", "LayoutError", "RankMismatchError", "TorchShardError"]
+__all__ = [
+    "BindError",
+    "CheckpointError",
+    "DataError",
+    "LayoutError",
+    "RankMismatchError",
+    "TorchShardError",
+]
 
 
 class TorchShardError(Exception):
@@ -30,3 +37,7 @@ class CheckpointError(TorchShardError):
     The message names the file (and parameter) at fault. A load that raises
     it has changed nothing.
     """
+
+
+class DataError(TorchShardError, ValueError):
+    """A data sampler got a bad argument or saved state, or cannot know its position exactly."""
