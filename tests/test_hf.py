@@ -121,13 +121,17 @@ class _Rotary(nn.Module):
         self.lin = nn.Linear(4, 4)
         self.register_buffer("freq", torch.arange(4.0) + 1, persistent=False)
 
+    def forward(self, x):
+        return self.lin(x) * self.freq
 
-def test_a_meta_buffer_nothing_writes_is_an_error_naming_it():
+
+def test_a_meta_buffer_nothing_writes_is_an_error_naming_it_at_the_first_forward():
     with torch.device("meta"):
         model = _Rotary()
     fm = torchshard.FlatParamModule(model).bind(torch.empty(32))
+    fm.init_weights()  # a checkpoint load or the user may still write it
     with pytest.raises(TorchShardError, match=r"buffer 'freq' was built on the meta device"):
-        fm.init_weights()
+        fm(torch.ones(1, 4))
     # written by the init function: fine
     with torch.device("meta"):
         model = _Rotary()
@@ -139,6 +143,8 @@ def test_a_meta_buffer_nothing_writes_is_an_error_naming_it():
 
     fm.init_weights(init)
     assert torch.equal(model.freq, torch.arange(4.0) + 1)
+    fm(torch.ones(1, 4))
+    assert not model._forward_pre_hooks  # checked once, then gone
 
 
 # -- train, checkpoint, export -------------------------------------------------------------

@@ -66,6 +66,7 @@ class FlatParamModule(nn.Module):
         # Buffers built on meta, materialized as zeros by bind() and not written since:
         # name -> (the tensor, its version counter at bind).
         self._unset_buffers: dict[str, tuple[torch.Tensor, int]] = {}
+        self._buffer_check: Any = None  # the forward pre-hook that checks them, once
 
     # -- properties -------------------------------------------------------------
     @property
@@ -185,6 +186,7 @@ class FlatParamModule(nn.Module):
                     else:
                         m._buffers[key] = buf.to(flat.device)
         self._flat, self._grad = flat, grad if trains else None
+        self._arm_buffer_check()
         return self
 
     def _check_buffer(self, what: str, t: torch.Tensor) -> None:
@@ -220,9 +222,10 @@ class FlatParamModule(nn.Module):
         also resets e.g. BatchNorm running statistics). With ``fn``, applies
         it to every submodule like ``nn.Module.apply`` (the convention of
         transformers' ``_init_weights``). ``fn`` must write in place;
-        replacing a parameter raises :class:`TorchShardError`, and so does a
-        buffer built on meta that nothing wrote (its zeros would be silently
-        wrong, e.g. rotary frequencies).
+        replacing a parameter raises :class:`TorchShardError`. A buffer built
+        on meta that nothing writes (not this, nor a checkpoint load, nor the
+        user) raises at the first forward, naming it: its zeros would be
+        silently wrong (e.g. rotary frequencies, a causal mask).
 
         Example::
 
@@ -235,25 +238,53 @@ class FlatParamModule(nn.Module):
         else:
             _init_own_way(self.module)
         self.check_views()
-        self._check_buffers_written()
         return self
 
-    def _check_buffers_written(self) -> None:
+    def unwritten_buffers(self) -> list[str]:
+        """Buffers built on meta that nothing wrote since :meth:`bind` made them zeros."""
         unset = []
         for name, buf in self.module.named_buffers(remove_duplicate=False):
             rec = self._unset_buffers.get(name)
             if rec is not None and rec[0] is buf and rec[1] == buf._version:
                 unset.append(name)
-        self._unset_buffers = {}
+        return unset
+
+    def _still_unwritten(self, names: list[str]) -> None:
+        """Count ``names`` as unwritten again (a broadcast of their zeros is no value)."""
+        for name, buf in self.module.named_buffers(remove_duplicate=False):
+            if name in names:
+                self._unset_buffers[name] = (buf, buf._version)
+
+    def _arm_buffer_check(self) -> None:
+        """Check at the first forward, not before: a checkpoint load or the user may still
+        write the buffers (building on meta, then loading, is the way to resume)."""
+        if self._buffer_check is None and self._unset_buffers:
+            self._buffer_check = self.module.register_forward_pre_hook(self._check_buffers)
+
+    def _check_buffers(self, *_: Any) -> None:
+        unset = self.unwritten_buffers()
         if unset:
+            persistent = set(self.module.state_dict(keep_vars=True))
             raise TorchShardError(
                 f"buffer {unset[0]!r}"
-                + (f" (and {len(unset) - 1} more)" if len(unset) > 1 else "")
-                + " was built on the meta device and no initializer wrote it, so it holds "
-                "zeros instead of the values its module computes at construction; build the "
-                "model under accelerate.init_empty_weights() (parameters on meta, buffers "
-                "real), or write the buffer in the init function"
+                + (f" (and {len(unset) - 1} more: {unset[1:]})" if len(unset) > 1 else "")
+                + " was built on the meta device and nothing wrote it before the first forward "
+                "(init_weights, a checkpoint load, load_state_dict or your code), so it holds "
+                "zeros instead of the values its module computes at construction; "
+                + (
+                    "load a checkpoint that holds it, write it in the init function (or a "
+                    "reset_parameters() of its module), "
+                    if unset[0] in persistent
+                    else "it is non-persistent, so no checkpoint holds it: write it in the "
+                    "init function (or a reset_parameters() of its module) or by hand, "
+                )
+                + "or build the model under accelerate.init_empty_weights() (parameters on "
+                "meta, buffers real)"
             )
+        self._unset_buffers = {}
+        if self._buffer_check is not None:
+            self._buffer_check.remove()
+            self._buffer_check = None
 
     def check_views(self) -> None:
         """Raise :class:`TorchShardError` naming a parameter that is no longer a view of the buffer."""

@@ -130,7 +130,9 @@ class DistributedTrainer:
         self._closed = False
         self._coordinator: Coordinator | None = None
         self._check_same_model(src)
+        unwritten = fm.unwritten_buffers()  # the same on every rank: the same model and init
         self.broadcast(src)
+        fm._still_unwritten(unwritten)  # src's zeros are no value: check at the first forward
 
         self._slices = element_ranges(self.padded_numel, self.world_size, align)
         cuts = tuple(a for a, _ in self._slices) if shard else ()
