@@ -276,3 +276,44 @@ def _meta_model_is_bound_and_initialized() -> list[float]:
 def test_meta_built_model_is_bound_initialized_and_broadcast():
     a, b = run_distributed(_meta_model_is_bound_and_initialized, 2, timeout=60)
     assert a == b
+
+
+def _fp16_mean(shard: bool) -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3).half()
+    ref = DDP(copy.deepcopy(model), bucket_cap_mb=1)
+    fm = FlatParamModule(model, dtype=torch.float16)
+    trainer = DistributedTrainer(fm, shard=shard, master_dtype=torch.float16)
+    out = {}
+    # each rank's gradient is 4e4 everywhere: the sum (8e4) overflows float16, the mean does not
+    (fm.module.weight * 4e4).sum().backward()
+    trainer.average_gradients()
+    s0, e0 = trainer._slices[rank] if shard else (0, fm.numel)
+    w = fm.layout.slots[0]
+    mine = fm.flat_grad[max(w.offset, s0) : min(w.end, e0)]
+    out["mean"] = mine.unique().tolist()
+    trainer.zero_grad()
+    # against DDP, which also divides first: bitwise
+    same = []
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank)).half()
+        trainer.zero_grad()
+        ref.zero_grad()
+        (fm(x).float().square().sum() * 3e3).backward()
+        (ref(x).float().square().sum() * 3e3).backward()
+        trainer.average_gradients()
+        if not shard:  # sharded: only the rank's slice holds the mean
+            same += [torch.equal(p.grad, q.grad) for p, q in zip(fm.parameters(), ref.parameters())]
+    out["same"] = same
+    out["finite"] = bool(torch.isfinite(fm.flat_grad[s0:e0]).all())
+    trainer.close()
+    return out
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_fp16_gradients_do_not_overflow_in_the_mean(shard):
+    for out in run_distributed(_fp16_mean, 2, shard, timeout=60):
+        assert out["mean"] == [4e4], out
+        assert out["finite"], out
+        assert len(out["same"]) == (0 if shard else 6) and all(out["same"]), out

@@ -161,6 +161,10 @@ class DistributedTrainer:
             for i in self._trainable
         ]
         self._sync = True
+        # float16 tops out at 65504: a sum over ranks overflows where the mean would not,
+        # so divide before reducing (as DDP does). bf16 and fp32 keep divide-after (exact
+        # for a power-of-two world, and what the bitwise tests against DDP pin).
+        self._divide_first = fm.dtype == torch.float16
         self._works: list[dist.Work] = []
         self._reset_step()
         self.stats = CommStats(buckets=sum(b.trainable > 0 for b in self._buckets))
@@ -304,6 +308,8 @@ class DistributedTrainer:
                     grad[s.offset : s.end].zero_()
         if self.world_size > 1:
             view = grad[bucket.start : bucket.end]
+            if self._divide_first:
+                view.div_(self.world_size)
             if self.shard:  # the bucket lies in one rank's slice: reduce it to that rank
                 dst = self._global(self._owner[bucket.index])
                 work = dist.reduce(view, dst, group=self._group, async_op=True)
@@ -360,9 +366,9 @@ class DistributedTrainer:
                 # divided here in the master dtype
                 self._master_grad.copy_(mine)
                 mine = self._master_grad
-            if self.world_size > 1:
+            if self.world_size > 1 and not self._divide_first:
                 mine.div_(self.world_size)
-        elif self.world_size > 1:
+        elif self.world_size > 1 and not self._divide_first:
             grad.div_(self.world_size)
         globally_used = dict(zip(self._trainable, used))
         for i in self._trainable:
@@ -429,8 +435,10 @@ class DistributedTrainer:
             return
         flat = self.module.flat_param
         assert flat is not None
+        if op == "mean" and self._divide_first:
+            flat.div_(self.world_size)
         dist.all_reduce(flat, op=_REDUCE_OPS[op], group=self._group)
-        if op == "mean":
+        if op == "mean" and not self._divide_first:
             flat.div_(self.world_size)
 
     @torch.no_grad()
