@@ -39,6 +39,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -87,7 +88,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default="runs/train_gpt", help="checkpoint root ('' to disable)")
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
     p.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint (if any); a worker that torchrun\n"
+        "restarted (--max-restarts) always does",
+    )
+    p.add_argument(
+        "--stop-at",
+        type=int,
+        help="stop (and checkpoint) after this step; the schedule spans --steps",
+    )
+    p.add_argument(
+        "--fail-at",
+        type=int,
+        help="simulate a crash: the last rank SIGKILLs itself after this step, on the\n"
+        "first attempt only (see --max-restarts in the README)",
+    )
     p.add_argument(
         "--overwrite", action="store_true", help="delete the checkpoints of an earlier run first"
     )
@@ -188,6 +205,9 @@ def get_batch(data: torch.Tensor, batch: int, block: int, gen: torch.Generator, 
 
 def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
+    # torchrun restarted this worker after a failure: continue from the last checkpoint.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    args.resume = args.resume or restarted
     info = torchshard.init_distributed()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
@@ -259,10 +279,10 @@ def main(argv: list[str] | None = None) -> float:
             resumed = ckpt.load(trainer, optimizer=opt)
             start = resumed.step
             log.info(
-                "resumed from %s (saved at world size %d, loss %.4f)",
+                "resumed from %s (saved at world size %d, loss %s)",
                 resumed.path,
                 resumed.extra["world_size"],
-                resumed.extra["loss"],
+                "-" if resumed.extra.get("loss") is None else f"{resumed.extra['loss']:.4f}",
             )
             load_data_state(sampler, resumed.extra)
     log.info(
@@ -280,7 +300,8 @@ def main(argv: list[str] | None = None) -> float:
     batches = forever(sampler.track(loader))
     t_last, wait_last, loss_sum, n_logged, first_loss = time.perf_counter(), 0.0, 0.0, 0, None
     mean_loss = float("nan")
-    for step in range(start + 1, args.steps + 1):
+    last = min(args.steps, args.stop_at or args.steps)
+    for step in range(start + 1, last + 1):
         lr = args.lr * min(1.0, step / args.warmup)
         lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in opt.param_groups:
@@ -313,11 +334,18 @@ def main(argv: list[str] | None = None) -> float:
                 1000 * (wait - wait_last) / steps_done,
             )
             t_last, wait_last, loss_sum = now, wait, 0.0
-        if ckpt is not None and (step % args.save_every == 0 or step == args.steps):
+        if step == args.fail_at and info.rank == info.world_size - 1 and not restarted:
+            print(f"train_gpt: --fail-at {step}: rank {info.rank} kills itself", file=sys.stderr)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if ckpt is not None and (step % args.save_every == 0 or step == last):
             # Returns at once; the weights are staged in the background and written
             # while training goes on (the next optimizer step waits for the staging copy).
             # The data position: world-size free, the same on every rank, JSON.
-            extra = {"world_size": info.world_size, "loss": mean_loss, "data": sampler.state_dict()}
+            extra = {
+                "world_size": info.world_size,
+                "loss": mean_loss if math.isfinite(mean_loss) else None,  # JSON has no NaN
+                "data": sampler.state_dict(),
+            }
             ckpt.save(trainer, step=step, optimizer=opt, extra=extra)
 
     if ckpt is not None:

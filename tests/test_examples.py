@@ -93,3 +93,14 @@ def test_finetune_starts_from_a_from_pretrained_directory(tmp_path):
     text = run(cmd, env=env)
     assert "LlamaForCausalLM" in text and "world 2 on cpu" in text, text
     assert os.path.isdir(tmp_path / "ckpt" / "step-00000002")
+
+
+def test_fault_tolerance_script_survives_a_kill_and_ends_bitwise_as_without_it(tmp_path):
+    env = clean_env() | {"STEPS": "20", "KILL": "8", "RUN": str(tmp_path / "run")}
+    text = run(["bash", str(ROOT / "examples" / "fault_tolerance.sh")], env=env, timeout=400)
+    assert "train_gpt: --fail-at 8: rank 1 kills itself" in text
+    # the restarted attempt resumed from the checkpoint before the kill (step 5; step 10's
+    # save never started), then the second phase from step 10 at 3 ranks
+    assert f"resumed from {tmp_path}/run/faulty/step-00000005 (saved at world size 2" in text
+    assert f"resumed from {tmp_path}/run/faulty/step-00000010 (saved at world size 2" in text
+    assert "final weights equal the uninterrupted run's: True (28 tensors, bitwise)" in text

@@ -158,9 +158,12 @@ class _Writer:
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step: expected a non-negative integer, got {step!r}")
         try:
-            extra_json = json.loads(json.dumps(extra or {}))
+            extra_json = json.loads(json.dumps(extra or {}, allow_nan=False))
         except (TypeError, ValueError) as e:
-            raise CheckpointError(f"extra: expected a dict of JSON values ({e})") from e
+            raise CheckpointError(
+                f"extra: expected a dict of JSON values ({e}); NaN and infinity are not JSON: "
+                "store None or a string instead"
+            ) from e
         target = Target(obj)
         seq = target.coord.next_sequence() if target.coord is not None else 0
         root = Path(root)
