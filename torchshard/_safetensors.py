@@ -54,6 +54,13 @@ _MAX_HEADER = 100 * 2**20  # safetensors' own limit
 _WRITE_BLOCK = 64 * 2**20
 
 
+def _is_hex(text: object, digits: int | None = None) -> bool:
+    """Lowercase hex digits only (``int(x, 16)`` would also take ``0x``, ``+``, ``_``, spaces)."""
+    if not isinstance(text, str) or not text or (digits is not None and len(text) != digits):
+        return False
+    return all(c in "0123456789abcdef" for c in text)
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """A byte view of a contiguous CPU tensor's memory (no copy, no numpy)."""
     n = t.numel() * t.element_size()
@@ -88,10 +95,12 @@ class FileRecord:
 
     @classmethod
     def from_dict(cls, d: dict) -> FileRecord:
-        size, crc = int(d["size"]), int(d["header_crc32"], 16)
-        if size < 8 or not 0 <= crc < 2**32:
-            raise ValueError(f"bad file record {d}")
-        return cls(size, crc)
+        """The record written by :meth:`to_dict`; ``ValueError`` for anything else."""
+        size = d.get("size") if isinstance(d, dict) else None
+        crc = d.get("header_crc32") if isinstance(d, dict) else None
+        if type(size) is not int or size < 8 or not _is_hex(crc, 8):
+            raise ValueError(f"bad file record {d!r}")
+        return cls(size, int(crc, 16))
 
 
 @dataclass(frozen=True)
@@ -231,6 +240,13 @@ class SafetensorsWriter:
         self.close()
 
 
+def _count(v: object) -> int:
+    """A JSON non-negative integer (``int()`` would also take floats, bools and strings)."""
+    if type(v) is not int or v < 0:
+        raise ValueError(f"expected a non-negative integer, got {v!r}")
+    return v
+
+
 def _write_all(f, data: memoryview) -> None:
     while len(data):
         n = f.write(data)
@@ -301,17 +317,19 @@ class SafetensorsReader:
             )
         try:
             header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise self._error(f"header is not JSON ({e})") from e
         if not isinstance(header, dict):
             raise self._error("header is not a JSON object")
         metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise self._error("__metadata__ is not an object of strings")
         data_start, entries, end = 8 + n, {}, 0
         try:
             for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
                 dtype = _FROM_NAME[e["dtype"]]
-                shape = tuple(int(d) for d in e["shape"])
-                begin, stop = (int(x) for x in e["data_offsets"])
+                shape = tuple(_count(d) for d in e["shape"])
+                begin, stop = (_count(x) for x in e["data_offsets"])
                 if begin != end or stop - begin != math.prod(shape) * dtype.itemsize:
                     raise self._error(
                         f"tensor {name!r}: data_offsets {[begin, stop]} are inconsistent"
@@ -328,12 +346,15 @@ class SafetensorsReader:
         """The data section's chunk size and CRC32s, from the header (when a record vouches for it)."""
         if self.record is None:
             return 0, ()
-        try:
-            chunk = int(self.metadata["torchshard.chunk_bytes"])
-            text = self.metadata["torchshard.crc32"]
-            crcs = tuple(int(text[i : i + 8], 16) for i in range(0, len(text), 8))
-        except (KeyError, TypeError, ValueError) as e:
-            raise self._error(f"no chunk checksums in its header ({type(e).__name__}: {e})") from e
+        chunk_text = self.metadata.get("torchshard.chunk_bytes")
+        text = self.metadata.get("torchshard.crc32")
+        digits = isinstance(chunk_text, str) and chunk_text.isascii() and chunk_text.isdigit()
+        if not digits or not isinstance(text, str):
+            raise self._error("no chunk checksums in its header")
+        if text and not _is_hex(text):
+            raise self._error("torchshard.crc32 holds something other than hex digits")
+        chunk = int(chunk_text)
+        crcs = tuple(int(text[i : i + 8], 16) for i in range(0, len(text), 8))
         data = self.size - self.data_start
         if chunk <= 0 or len(text) % 8 or len(crcs) != -(-data // chunk):
             raise self._error(f"{len(crcs)} checksums do not cover {data} bytes of data")
