@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import copy
 import errno
+import hashlib
 import io
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -32,9 +34,11 @@ import torch
 import torch.distributed as dist
 from gpt import GPT, GPTConfig
 from multiprocess import run_distributed
+from test_checkpoint_integrity import reseal
 
 import torchshard
 from torchshard import TorchShardError, checkpoint
+from torchshard._ckpt_format import OPTIMIZER_RULES
 from torchshard.checkpoint import CheckpointError
 
 CFG = GPTConfig.preset("tiny")  # 28 parameter slots, 7872 elements: 34 KB of weights
@@ -190,7 +194,9 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 
 def write_meta(path: Path, meta: dict[str, Any]) -> None:
-    (path / "metadata.json").write_text(json.dumps(meta))
+    """Write an edited ``metadata.json`` with its checksum made to match (what a writer bug or
+    a hand edit that knows the format produces), so the checks behind the checksum are tested."""
+    (path / "metadata.json").write_bytes(reseal(json.dumps(meta).encode()))
 
 
 def header(file: Path) -> tuple[int, dict[str, Any]]:
@@ -418,6 +424,283 @@ def test_format_version_from_the_future(saved, field):
     assert "upgrade" in message
 
 
+# -- 5b. metadata.json carries its own checksum ----------------------------------------------------
+SEAL = b',"sha256":"'
+
+
+def test_metadata_ends_with_the_sha256_of_the_bytes_before_it(saved):
+    """The documented seal, recomputed here without the library; and the index's record."""
+    data = (saved / "metadata.json").read_bytes()
+    head, _, tail = data.rpartition(SEAL)
+    assert tail == hashlib.sha256(head).hexdigest().encode() + b'"}'
+    meta = json.loads(data)
+    assert meta["format_version"] == 2
+    index = (saved / "model.safetensors.index.json").read_bytes()
+    assert meta["index"] == {"size": len(index), "sha256": hashlib.sha256(index).hexdigest()}
+
+
+def _replace_once(old: bytes, new: bytes) -> Callable[[Path], None]:
+    def edit(path: Path) -> None:
+        data = (path / "metadata.json").read_bytes()
+        assert data.count(old) >= 1, old
+        (path / "metadata.json").write_bytes(data.replace(old, new, 1))
+
+    return edit
+
+
+def _flip_in_checksum(path: Path) -> None:
+    file = path / "metadata.json"
+    flip_byte(file, file.stat().st_size - 10)  # a hex digit of the checksum itself
+
+
+def _drop_checksum(path: Path) -> None:
+    meta = read_meta(path)
+    del meta["sha256"]
+    (path / "metadata.json").write_text(json.dumps(meta, separators=(",", ":")))
+
+
+UNSEALED = {
+    "lr digit": _replace_once(b'"lr":0.001', b'"lr":0.002'),
+    "step counter": _replace_once(b'"values":[1.0', b'"values":[2.0'),
+    "maximize": _replace_once(b'"maximize":false', b'"maximize":true '),
+    "a space": _replace_once(b'"step":1,', b'"step": 1,'),
+    "a flip in the checksum": _flip_in_checksum,
+    "the checksum dropped": _drop_checksum,
+}
+
+
+@pytest.mark.parametrize("case", list(UNSEALED))
+def test_any_edit_of_metadata_fails_its_checksum(saved, case):
+    UNSEALED[case](saved)
+    message = refused(saved)
+    assert str(saved / "metadata.json") in message
+    assert "checksum" in message, message
+
+
+def _stateful_slot(path: Path) -> int:
+    return read_meta(path)["optimizer"]["stateful"].index("1")
+
+
+def _set(*keys: Any, value: Any) -> Callable[[dict[str, Any], int], str]:
+    """Set ``meta[k0][k1]...`` (``"SLOT"``: the first slot with state); return its key path."""
+
+    def edit(meta: dict[str, Any], slot: int) -> str:
+        keys_ = [slot if k == "SLOT" else k for k in keys]
+        node = meta
+        for k in keys_[:-1]:
+            node = node[k]
+        node[keys_[-1]] = value
+        return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in keys_).lstrip(".")
+
+    return edit
+
+
+STEP_VALUE = ("optimizer", "scalar_state", "step", "values", "SLOT")
+GROUP = ("optimizer", "param_groups", 0)
+# The 21 silent wrong loads of the issue: every one of them is now refused by the checksum;
+# re-sealed (a hand edit, a writer bug), the invalid ones are refused by the validation, and
+# the valid ones load as written (only a checksum can tell them from the truth).
+ISSUE_VALUES = {
+    "step 0": (_set(*STEP_VALUE, value=0), False),
+    "step -1": (_set(*STEP_VALUE, value=-1), False),
+    "step 1.5": (_set(*STEP_VALUE, value=1.5), False),
+    "step 2**62": (_set(*STEP_VALUE, value=2**62), True),
+    "lr -1": (_set(*GROUP, "lr", value=-1), False),
+    "eps 1.5": (_set(*GROUP, "eps", value=1.5), True),
+    "betas[1] 0": (_set(*GROUP, "betas", 1, value=0), False),  # torch: floats, not ints
+    "betas[1] 0.0": (_set(*GROUP, "betas", 1, value=0.0), True),
+    "betas[1] 1.5": (_set(*GROUP, "betas", 1, value=1.5), False),
+    "betas[1] x": (_set(*GROUP, "betas", 1, value="x"), False),
+    "weight_decay True": (_set(*GROUP, "weight_decay", value=True), False),
+    "maximize True": (_set(*GROUP, "maximize", value=True), True),
+    "maximize x": (_set(*GROUP, "maximize", value="x"), False),
+    "amsgrad None": (_set(*GROUP, "amsgrad", value=None), False),
+    "amsgrad True": (_set(*GROUP, "amsgrad", value=True), False),  # no max_exp_avg_sq saved
+    "scalar_state {}": (_set("optimizer", "scalar_state", value={}), False),  # was KeyError
+    "lr into another key": (_set(*GROUP, "lR", value=0.001), False),
+    "top-level step": (_set("step", value=2), False),  # the directory says step-00000001
+}
+
+
+OTHER_PATH = {
+    "amsgrad True": "optimizer.flat_state",  # the state amsgrad needs is not there
+    "scalar_state {}": "optimizer.scalar_state",
+}
+
+
+@pytest.mark.parametrize("case", list(ISSUE_VALUES))
+@pytest.mark.parametrize("sealed", [False, True], ids=["as damaged", "resealed"])
+def test_the_issues_wrong_values(saved, case, sealed):
+    edit, valid = ISSUE_VALUES[case]
+    meta = read_meta(saved)
+    where = edit(meta, _stateful_slot(saved))
+    if not sealed:  # the damage as it happens: the checksum no longer matches
+        del meta["sha256"]
+        data = json.dumps(meta, separators=(",", ":")).encode()[:-1]
+        (saved / "metadata.json").write_bytes(data + SEAL + b"0" * 64 + b'"}')
+        assert "checksum mismatch" in refused(saved)
+        return
+    write_meta(saved, meta)
+    if valid:
+        fm, opt = target()
+        checkpoint.load(saved, fm, optimizer=opt)  # in range: what was written is what loads
+        return
+    message = refused(saved)
+    assert str(saved / "metadata.json") in message
+    # the key path at fault: where the value is, or what it contradicts
+    where = OTHER_PATH.get(case, where)
+    assert f"{where}: expected" in message, (where, message)
+
+
+def test_a_failure_after_every_check_is_still_a_checkpoint_error(saved, monkeypatch):
+    fm, opt = target()
+
+    def broken(state_dict: dict[str, Any]) -> None:
+        raise KeyError("step")
+
+    monkeypatch.setattr(opt, "load_state_dict", broken)
+    with pytest.raises(CheckpointError, match=r"applying the checkpoint failed.*KeyError"):
+        checkpoint.load(saved, fm, optimizer=opt)
+
+
+# -- 5c. every optimizer with rules: torch's own values pass, torch's refusals are refused ---------
+KINDS = {
+    "SGD": (torch.optim.SGD, dict(lr=0.05)),
+    "SGD momentum": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1)),
+    "SGD nesterov": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+    "Adam": (torch.optim.Adam, dict(lr=1e-3, weight_decay=0.01)),
+    "Adam amsgrad": (torch.optim.Adam, dict(lr=1e-3, amsgrad=True)),
+    "AdamW": (torch.optim.AdamW, dict(lr=1e-3, betas=(0.8, 0.9))),
+    "Adamax": (torch.optim.Adamax, dict(lr=1e-3)),
+    "NAdam": (torch.optim.NAdam, dict(lr=1e-3, momentum_decay=0.005)),
+    "RAdam": (torch.optim.RAdam, dict(lr=1e-3, decoupled_weight_decay=True, weight_decay=0.1)),
+    "RMSprop": (torch.optim.RMSprop, dict(lr=1e-3, momentum=0.5, centered=True)),
+    "Adagrad": (torch.optim.Adagrad, dict(lr=1e-2, lr_decay=0.01)),
+    "Adadelta": (torch.optim.Adadelta, dict(lr=0.5, rho=0.8)),
+    "ASGD (no rules: live types)": (torch.optim.ASGD, dict(lr=1e-2, t0=3.0)),
+}
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def test_every_optimizer_with_rules_is_tested():
+    assert {_qualname(c) for c, _ in KINDS.values()} - {_qualname(torch.optim.ASGD)} == set(
+        OPTIMIZER_RULES
+    )
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_round_trip_of_every_optimizer_passes_its_rules(tmp_path, kind):
+    cls, hyper = KINDS[kind]
+    fm = build(seed=0)
+    named = list(fm.module.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if p.dim() >= 2]},
+        {"params": [p for n, p in named if p.dim() < 2], "lr": hyper["lr"] / 2},
+    ]
+    opt = cls(groups, **hyper)
+    train(fm, opt, 2, seed=0)
+    path = checkpoint.save(tmp_path / "ckpt", fm, step=2, optimizer=opt)
+    fm2 = build(seed=1)
+    opt2 = cls(fm2.parameters(), **hyper)
+    opt2 = cls(
+        [
+            {"params": [p for p in fm2.parameters() if p.dim() >= 2]},
+            {"params": [p for p in fm2.parameters() if p.dim() < 2]},
+        ],
+        **hyper,
+    )
+    checkpoint.load(path, fm2, optimizer=opt2)
+    assert _same_bits(fm2.flat_param, fm.flat_param)
+    assert not _tree_diff(opt2.state_dict(), opt.state_dict(), "optimizer")
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZER_RULES))
+def test_required_hyperparameters_are_those_torch_does_not_fill_in(name):
+    """What a rule requires is exactly what torch's load_state_dict leaves missing."""
+    cls = next(c for c, _ in KINDS.values() if _qualname(c) == name)
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = cls([p], lr=0.1)
+    sd = opt.state_dict()
+    keys = [k for k in sd["param_groups"][0] if k != "params"]
+    filled = []
+    for key in keys:
+        group = {k: v for k, v in sd["param_groups"][0].items() if k != key}
+        probe = cls([p], lr=0.1)
+        probe.load_state_dict({"state": {}, "param_groups": [group]})
+        if key in probe.param_groups[0]:
+            filled.append(key)
+    assert set(OPTIMIZER_RULES[name].required) == set(keys) - set(filled)
+    assert set(OPTIMIZER_RULES[name].hyper) >= set(keys), "a hyperparameter without a rule"
+
+
+BAD = {"lr": -1e-3, "eps": -1.0, "weight_decay": -0.1, "momentum": -0.5, "alpha": -1.0,
+       "lr_decay": -1.0, "initial_accumulator_value": -1.0, "momentum_decay": -1.0,
+       "rho": 1.5, "betas": (0.9, 1.0)}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZER_RULES))
+def test_the_rules_refuse_what_torch_refuses(name):
+    cls = next(c for c, _ in KINDS.values() if _qualname(c) == name)
+    rules = OPTIMIZER_RULES[name]
+    tried = 0
+    for key, bad in BAD.items():
+        if key not in rules.hyper:
+            continue
+        tried += 1
+        with pytest.raises(ValueError):  # torch's constructor: the reference
+            cls([torch.nn.Parameter(torch.ones(2))], **{key: bad})
+        with pytest.raises(Exception, match=re.escape(f"group.{key}")) as info:
+            rules.hyper[key](list(bad) if isinstance(bad, tuple) else bad, f"group.{key}")
+        assert type(info.value).__name__ == "_Invalid"
+        good = cls([torch.nn.Parameter(torch.ones(2))]).param_groups[0][key]
+        rules.hyper[key](list(good) if isinstance(good, tuple) else good, f"group.{key}")
+    assert tried >= 3
+
+
+def _saved_with(tmp_path: Path, make: Callable[..., torch.optim.Optimizer]) -> Path:
+    fm = build(seed=0)
+    opt = make(fm.parameters())
+    train(fm, opt, 1, seed=0)
+    return checkpoint.save(tmp_path / "ckpt", fm, step=1, optimizer=opt)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expect"),
+    [
+        ("t0", "x", "like this optimizer's"),
+        ("t0", True, "like this optimizer's"),
+        ("lambd", None, "like this optimizer's"),
+        ("no_such_hyperparameter", 1.0, "expected a hyperparameter of torch.optim.asgd.ASGD"),
+        ("DROP lr", None, "optimizer.param_groups[0].lr: expected a value"),
+    ],
+)
+def test_an_optimizer_without_rules_gets_the_live_types(tmp_path, key, value, expect):
+    path = _saved_with(tmp_path, lambda ps: torch.optim.ASGD(ps, lr=1e-2))
+    meta = read_meta(path)
+    if key.startswith("DROP "):
+        del meta["optimizer"]["param_groups"][0][key.split()[1]]
+    else:
+        meta["optimizer"]["param_groups"][0][key] = value
+    write_meta(path, meta)
+    fm = build(seed=1)
+    message = refused(path, fm, torch.optim.ASGD(fm.parameters(), lr=1e-2))
+    assert expect in message, message
+
+
+@pytest.mark.parametrize(
+    ("key", "expect"),
+    [("capturable", "capturable: expected false"), ("differentiable", "as this optimizer has it")],
+)
+def test_capturable_on_cpu_and_a_different_differentiable_are_refused(saved, key, expect):
+    meta = read_meta(saved)
+    meta["optimizer"]["param_groups"][0][key] = True
+    write_meta(saved, meta)
+    assert expect in refused(saved)
+
+
 # -- 6. file names that point outside the checkpoint -----------------------------------------------
 _AUDIT_LOCK = threading.Lock()
 _opened: list[tuple[int, str]] | None = None  # (thread, path) while recording
@@ -482,7 +765,7 @@ def test_file_names_outside_the_checkpoint_are_refused_before_opening(saved, whe
     opened = opened_during(lambda: result.update(message=refused(saved, fm, opt)))
     message = result["message"]
     assert "metadata.json" in message
-    assert repr(name) in message
+    assert json.dumps(name) in message
     assert "outside" in message
     assert opened == [str(saved / "metadata.json")], opened
 

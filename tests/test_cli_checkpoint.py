@@ -8,6 +8,7 @@ the original checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -21,12 +22,15 @@ import torch
 from gpt import GPT, GPTConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
+from test_checkpoint_integrity import reseal
 from torch import nn
 
 import torchshard
 from torchshard import _ckpt_tools, checkpoint
 from torchshard._ckpt_tools import Progress, consolidate, inspect_checkpoint, reshard
 from torchshard._cli import main
+
+INDEX = "model.safetensors.index.json"
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=24)
 
@@ -135,8 +139,10 @@ def test_inspect_directory_and_root(trained, capsys):
         '{"run": "cli"}',
         "model-00001-of-00001.safetensors",
         "every checksum verified",
+        "metadata     sha256 verified, every value checked",
     ):
         assert line in out, line
+    assert "warning" not in out
     assert main(["inspect", str(root)]) == 0
     out = capsys.readouterr().out
     assert "step-00000003  (latest of 2 complete under" in out and "OK: 2 files" in out
@@ -153,7 +159,8 @@ def test_inspect_directory_and_root(trained, capsys):
         len(fm.layout) - matrices,
     ]
     assert main(["inspect", str(root), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["ok"] is True
+    as_json = json.loads(capsys.readouterr().out)
+    assert as_json["ok"] is True and as_json["protected"] is True and as_json["warnings"] == []
 
 
 def flip_byte(path: Path, where: float) -> None:
@@ -162,10 +169,22 @@ def flip_byte(path: Path, where: float) -> None:
     path.write_bytes(bytes(data))
 
 
-def edit_metadata(path: Path, edit: Any) -> None:
+def edit_metadata(path: Path, edit: Any, sealed: bool = True) -> None:
+    """Edit ``metadata.json``; ``sealed``: with its checksum made to match the edit."""
     meta = json.loads((path / "metadata.json").read_text())
     edit(meta)
-    (path / "metadata.json").write_text(json.dumps(meta))
+    data = json.dumps(meta).encode()
+    (path / "metadata.json").write_bytes(reseal(data) if sealed else data)
+
+
+def edit_index(path: Path, edit: Any) -> None:
+    """Edit ``model.safetensors.index.json`` and make ``metadata.json`` vouch for it."""
+    index = json.loads((path / INDEX).read_text())
+    edit(index)
+    data = json.dumps(index).encode()
+    (path / INDEX).write_bytes(data)
+    record = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    edit_metadata(path, lambda m: m.update(index=record))
 
 
 @pytest.mark.parametrize(
@@ -182,12 +201,26 @@ def edit_metadata(path: Path, edit: Any) -> None:
         (lambda d: (d / "model.safetensors.index.json").unlink(), "index.json: missing"),
         (lambda d: (d / "metadata.json").write_text("{not json"), "not valid JSON"),
         (lambda d: (d / "metadata.json").unlink(), "no complete checkpoint"),
-        (lambda d: edit_metadata(d, lambda m: m["optimizer"].pop("flat_state")), "malformed"),
+        (lambda d: flip_byte(d / "metadata.json", 0.5), "metadata.json: checksum mismatch"),
+        (lambda d: flip_byte(d / "metadata.json", 0.999), "metadata.json: checksum mismatch"),
+        (lambda d: edit_metadata(d, lambda m: m["optimizer"]["param_groups"][0].update(lr=3e-4),
+                                 sealed=False), "metadata.json: checksum missing"),
+        (lambda d: edit_metadata(d, lambda m: m["optimizer"].pop("flat_state")),
+         "metadata.json: optimizer.flat_state: expected a value, got nothing"),
         (lambda d: edit_metadata(d, lambda m: m["weights"]["shards"][0].update(slots=[0, 5])),
-         "hold slots [0, 5)"),
+         "metadata.json: weights.shards: expected files holding all"),
+        (lambda d: edit_metadata(d, lambda m: m["optimizer"]["param_groups"][1].update(eps=-1)),
+         "metadata.json: optimizer.param_groups[1].eps: expected a number >= 0, got -1"),
+        (lambda d: flip_byte(d / INDEX, 0.5), f"{INDEX}: expected"),
+        (lambda d: edit_index(d, lambda i: i["weight_map"].update({"wte.weight": "x"})),
+         f"{INDEX}: weight_map disagrees with metadata.json for ['wte.weight']"),
+        (lambda d: edit_index(d, lambda i: i["metadata"].update(total_size=1)),
+         f"{INDEX}: metadata: expected"),
     ],
     ids=["model-byte", "optim-byte", "header-byte", "truncated", "missing-file", "no-index",
-         "bad-metadata", "no-metadata", "bad-optimizer-metadata", "slots-not-covered"],
+         "bad-metadata", "no-metadata", "metadata-byte", "metadata-checksum-byte",
+         "metadata-edited", "bad-optimizer-metadata", "slots-not-covered", "bad-eps",
+         "index-byte", "index-weight-map", "index-total-size"],
 )  # fmt: skip
 def test_inspect_finds_damage(trained, tmp_path, capsys, damage, message):
     path = copy_of(trained[0], tmp_path)
@@ -384,3 +417,111 @@ def test_console_script(trained):
     assert bad.stderr.splitlines() == [
         "torchshard: error: world size: expected a positive integer, got -1"
     ]
+
+
+# -- a checkpoint of format 1 (before metadata.json had a checksum) ---------------------------
+GOLDEN = Path(__file__).resolve().parent / "golden" / "v1" / "step-00000005"
+
+
+class Golden(nn.Module):
+    """The model of tests/golden/README.md."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+        self.norm = nn.LayerNorm(3)
+        self.norm.bias.requires_grad_(False)
+        self.register_buffer("scale", torch.zeros(3))
+        self.register_buffer("calls", torch.tensor(0, dtype=torch.int64))
+
+
+def golden_target() -> tuple[torchshard.FlatParamModule, torch.optim.Optimizer]:
+    """Other weights, buffers, hyperparameters and no state: everything must come from disk."""
+    torch.manual_seed(1)
+    fm = torchshard.FlatParamModule(Golden())
+    fm.bind(torch.empty(fm.numel))
+    named = list(fm.module.named_parameters())
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named if n.endswith("weight")]},
+            {"params": [p for n, p in named if not n.endswith("weight")]},
+        ],
+        lr=1e-2,
+    )
+    return fm, opt
+
+
+def golden_copy(tmp_path: Path) -> Path:
+    path = tmp_path / "v1" / GOLDEN.name
+    shutil.copytree(GOLDEN, path)
+    return path
+
+
+def test_format_1_loads_as_its_files_hold_it(tmp_path):
+    path = golden_copy(tmp_path)
+    fm, opt = golden_target()
+    info = checkpoint.load(path, fm, optimizer=opt)
+    assert info.step == 5 and info.extra == {"note": "format 1"}
+    # weights and buffers: as safetensors itself reads the file
+    assert_same_tensors(
+        fm.module.state_dict(), load_file(path / "model-00001-of-00001.safetensors")
+    )
+    # optimizer: each slot's range of the flat state, the step counters and hyperparameters
+    meta = json.loads((path / "metadata.json").read_text())
+    flat = load_file(path / "optim-00001-of-00001.safetensors")
+    slots = {s[0]: (i, s) for i, s in enumerate(meta["layout"]["slots"])}
+    names = {id(p): n for n, p in fm.module.named_parameters()}
+    sd, pid = opt.state_dict(), 0
+    for group, saved in zip(sd["param_groups"], meta["optimizer"]["param_groups"]):
+        assert {k: v for k, v in group.items() if k != "params"} == {
+            k: tuple(v) if k == "betas" else v for k, v in saved.items() if k != "params"
+        }
+    for group in opt.param_groups:
+        for p in group["params"]:
+            i, (_, shape, offset, numel, _, _) = slots[names[id(p)]]
+            step = meta["optimizer"]["scalar_state"]["step"]["values"][i]
+            if step is None:
+                assert pid not in sd["state"]
+            else:
+                expect = {k: v[offset : offset + numel].view(shape) for k, v in flat.items()}
+                expect["step"] = torch.tensor(step)
+                assert_same_tensors(sd["state"][pid], expect)
+            pid += 1
+    assert pid == 4 and len(sd["state"]) == 3
+
+
+def test_format_1_inspects_as_unprotected(tmp_path, capsys):
+    path = golden_copy(tmp_path)
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "format       1" in out
+    assert "metadata     UNPROTECTED: no checksum (format 1)" in out
+    assert "warning: " in out and "carries no checksum" in out
+    report = inspect_checkpoint(path)
+    assert report.ok and not report.protected and report.format_version == 1
+    assert len(report.warnings) == 1 and "metadata.json" in report.warnings[0]
+
+
+def test_format_1_values_are_still_checked(tmp_path):
+    path = golden_copy(tmp_path)
+    edit_metadata(path, lambda m: m["optimizer"]["param_groups"][0].update(lr=-1), sealed=False)
+    fm, opt = golden_target()
+    before = fm.flat_param.clone()
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"param_groups\[0\]\.lr: expected a number >= 0, got -1"
+    ):
+        checkpoint.load(path, fm, optimizer=opt)
+    assert torch.equal(fm.flat_param, before) and not opt.state
+
+
+def test_reshard_writes_format_1_as_a_protected_format_2(tmp_path):
+    out = reshard(golden_copy(tmp_path), tmp_path / "out", 2)
+    report = inspect_checkpoint(out)
+    assert report.ok and report.protected and report.format_version == 2, report.problems
+    fm_a, opt_a = golden_target()
+    checkpoint.load(GOLDEN, fm_a, optimizer=opt_a)
+    fm_b, opt_b = golden_target()
+    checkpoint.load(out, fm_b, optimizer=opt_b)
+    assert torch.equal(bits(fm_b.flat_param), bits(fm_a.flat_param))
+    assert_same_tensors(fm_b.module.state_dict(), fm_a.module.state_dict())
+    assert_same_optimizer(opt_b, opt_a)

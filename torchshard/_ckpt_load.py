@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._ckpt_format import Metadata, Readers, read_metadata, resolve
-from ._ckpt_optim import MASTER, OptimizerView, restore_group_values
+from ._ckpt_format import METADATA, OPTIMIZER_RULES, Metadata, Readers, read_metadata, resolve
+from ._ckpt_optim import MASTER, OptimizerView, group_problem, restore_group_values
 from ._ckpt_target import CheckpointInfo, Target
 from ._dist import exchange_bytes
 from ._errors import CheckpointError
@@ -64,6 +64,13 @@ def _check_compatible(meta: Metadata, t: Target, optimizer: torch.optim.Optimize
                 f"{meta.path}: optimizer param group {g}: checkpoint has parameter {first[0]!r} "
                 f"where this optimizer has {first[1]!r}"
             )
+    rules = OPTIMIZER_RULES.get(saved.cls)
+    problem = group_problem(groups, optimizer, None if rules is None else rules.hyper, t.device)
+    if problem is not None:
+        raise CheckpointError(
+            f"{meta.path / METADATA}: {problem}; restore the file, load an earlier checkpoint, "
+            "or build the optimizer as it was when saved"
+        )
 
 
 def _read_share(
@@ -176,9 +183,12 @@ def _apply(
             fill(flat_state[key], host)
     segment = {id(seg.tensor): seg for seg in view.segments}
     scalars, stateful = meta.optim.scalar_state, meta.optim.stateful
+    rules = meta.optim.rules
     state, groups, pid = {}, [], 0
     for group, saved in zip(optimizer.param_groups, meta.optim.param_groups):
         ids = []
+        # a known optimizer's state keys per group (Adam's max_exp_avg_sq only with amsgrad)
+        keys = set(flat_state) - {MASTER} if rules is None else rules.flat(saved)
         for p in group["params"]:
             seg = segment.get(id(p))  # None: the sharded trainer's empty placeholder
             if seg is not None and MASTER in flat_state:
@@ -187,7 +197,7 @@ def _apply(
                 st: dict[str, Any] = {
                     k: v[seg.start - lo : seg.end - lo].view(p.shape)
                     for k, v in flat_state.items()
-                    if k != MASTER
+                    if k in keys
                 }
                 for key, spec in scalars.items():
                     v = spec["values"][seg.slot]
@@ -243,7 +253,22 @@ def load(
     finally:
         if readers is not None:
             readers.close()
-    _agree(t, error, path)
+    try:
+        _agree(t, error, path)
+    except CheckpointError:
+        raise
+    except Exception as e:  # a peer that died, a broken process group
+        raise CheckpointError(
+            f"{path}: the ranks could not agree that every rank read its share "
+            f"({type(e).__name__}: {e}); nothing was changed"
+        ) from e
     assert share is not None
-    _apply(meta, t, share, optimizer)
+    try:
+        _apply(meta, t, share, optimizer)
+    except Exception as e:  # everything was checked: a bug, or a peer lost mid-way
+        raise CheckpointError(
+            f"{path}: applying the checkpoint failed after every check had passed "
+            f"({type(e).__name__}: {e}); the model and optimizer may be partly loaded: "
+            "load again, and please report this"
+        ) from e
     return CheckpointInfo(meta.step, meta.extra, path, readers.bytes_read if readers else 0)

@@ -9,6 +9,9 @@ ranges in layout order; the rest (``step``...) as one JSON value per slot.
 
 from __future__ import annotations
 
+import json
+import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +22,7 @@ from ._flat_module import FlatParamModule
 from ._layout import dtype_name
 from ._trainer import DistributedTrainer
 
-__all__ = ["MASTER", "OptimizerView", "Segment", "restore_group_values"]
+__all__ = ["MASTER", "OptimizerView", "Segment", "group_problem", "restore_group_values"]
 
 MASTER = "master"  # the flat key under which fp32 master weights are saved
 
@@ -167,3 +170,83 @@ def restore_group_values(current: dict[str, Any], saved: dict[str, Any]) -> dict
             v = torch.tensor(v, dtype=now.dtype, device=now.device)
         out[k] = v
     return out
+
+
+def _same_kind(v: Any, live: Any) -> bool:
+    """Whether JSON value ``v`` can stand for ``live`` (a hyperparameter's current value)."""
+    if isinstance(live, torch.Tensor):
+        flat = v if isinstance(v, list) and live.dim() > 0 else [v]
+        return len(flat) == live.numel() and all(_same_kind(x, 0.0) for x in flat)
+    if isinstance(live, bool) or live is None or isinstance(live, str):
+        return type(v) is type(live)
+    if isinstance(live, (int, float)):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if isinstance(live, (list, tuple)):
+        return isinstance(v, list) and len(v) == len(live) and all(map(_same_kind, v, live))
+    if isinstance(live, dict):
+        return (
+            isinstance(v, dict)
+            and v.keys() == live.keys()
+            and all(_same_kind(v[k], live[k]) for k in v)
+        )
+    return False
+
+
+def _show(v: Any) -> str:
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError):
+        text = repr(v)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def group_problem(
+    saved: list[dict[str, Any]],
+    optimizer: torch.optim.Optimizer,
+    checked: Collection[str] | None,
+    device: torch.device,
+) -> str | None:
+    """What in the saved param groups this optimizer cannot take, or ``None``.
+
+    ``checked``: the hyperparameters whose types and ranges were already checked
+    by the rules of the optimizer's class (``None``: a class without rules, whose
+    every live hyperparameter must then be in the checkpoint). Every other
+    saved value must be of the live value's kind; keys the live optimizer lacks
+    are refused; ``capturable`` needs parameters on an accelerator, and
+    ``differentiable`` must stay what it is (torchshard's parameters are leaves).
+    """
+    cls = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    for g, (sg, lg) in enumerate(zip(saved, optimizer.param_groups)):
+        where = f"optimizer.param_groups[{g}]"
+        for key, value in sg.items():
+            if key == "params":
+                continue
+            path = f"{where}.{key}"
+            if key not in lg:
+                keys = ", ".join(k for k in lg if k != "params")
+                return f"{path}: expected a hyperparameter of {cls} ({keys}), got {key!r} = {_show(value)}"
+            if (checked is None or key not in checked) and not _same_kind(value, lg[key]):
+                return f"{path}: expected a value like this optimizer's {_show(_plain(lg[key]))}, got {_show(value)}"
+        if checked is None:
+            missing = [k for k in lg if k != "params" and k not in sg]
+            if missing:
+                return (
+                    f"{where}.{missing[0]}: expected a value (this optimizer has one), got nothing"
+                )
+        if sg.get("capturable") is True and device.type == "cpu":
+            return (
+                f"{where}.capturable: expected false for parameters on cpu (torch steps a "
+                "capturable optimizer on an accelerator only), got true"
+            )
+        if "differentiable" in sg and sg["differentiable"] != lg.get("differentiable", False):
+            return (
+                f"{where}.differentiable: expected {_show(lg.get('differentiable', False))} "
+                f"as this optimizer has it, got {_show(sg['differentiable'])}"
+            )
+    return None
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.tolist()
+    return list(v) if isinstance(v, tuple) else v

@@ -9,6 +9,7 @@ of the model or of a shard.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -29,6 +30,7 @@ from ._ckpt_format import (
     commit,
     complete_checkpoints,
     fsync_dir,
+    index_json,
     model_file,
     optim_file,
     read_metadata,
@@ -192,6 +194,8 @@ class CheckpointReport:
     extra: dict[str, Any]
     files: list[FileStatus] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    protected: bool = True  # metadata.json carries its SHA-256 (format 2 on), and it matched
+    warnings: list[str] = field(default_factory=list)  # not errors: e.g. an unprotected format
 
     @property
     def ok(self) -> bool:
@@ -230,6 +234,8 @@ class CheckpointReport:
             ],
             "ok": self.ok,
             "problems": self.problems,
+            "protected": self.protected,
+            "warnings": self.warnings,
         }
 
 
@@ -258,8 +264,10 @@ def _verify_file(
     record: FileRecord,
     expected: list[tuple[str, torch.dtype | None, tuple[int, ...] | None]],
     progress: Progress,
+    nbytes: dict[str, int],
 ) -> FileStatus:
-    """Size, the header's and every data chunk's CRC32, and the tensors the metadata expects."""
+    """Size, the header's and every data chunk's CRC32, and the tensors the metadata expects
+    (their sizes in bytes go into ``nbytes``)."""
     try:
         found: int | None = path.stat().st_size
     except FileNotFoundError:
@@ -280,6 +288,8 @@ def _verify_file(
                 )
             for name, dtype, shape in expected:
                 e = reader.entries.get(name)
+                if e is not None:
+                    nbytes[name] = e.end - e.begin
                 if e is None:
                     problems.append(f"{path}: has no tensor {name!r}")
                 elif (dtype is not None and e.dtype != dtype) or shape not in (None, e.shape):
@@ -293,23 +303,51 @@ def _verify_file(
     return FileStatus(path.name, record.size, found, chunks, tensors, tuple(problems))
 
 
-def _index_problems(meta: Metadata) -> list[str]:
+def _index_problems(meta: Metadata, nbytes: dict[str, int]) -> list[str]:
+    """``model.safetensors.index.json`` (what transformers reads) against ``metadata.json``:
+    the size and SHA-256 recorded there (format 2 on), then every entry."""
     path = meta.path / INDEX
     try:
-        index = json.loads(path.read_text())
-        weight_map = index["weight_map"]
+        data = path.read_bytes()
     except FileNotFoundError:
         return [f"{path}: missing"]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-        return [f"{path}: unreadable ({type(e).__name__}: {e})"]
-    want = dict(meta.buffers)
-    for w in meta.weights:
-        lo, hi = w["slots"]
-        want.update({s.name: w["file"] for s in meta.layout.slots[lo:hi]})
-    if weight_map != want:
-        wrong = sorted(k for k in want.keys() | set(weight_map) if want.get(k) != weight_map.get(k))
-        return [f"{path}: weight_map disagrees with {METADATA} for {wrong[:3]}"]
-    return []
+    except OSError as e:
+        return [f"{path}: cannot read ({e.strerror or e})"]
+    fix = "restore it from a copy or load an earlier checkpoint"
+    if meta.index is not None:
+        digest = hashlib.sha256(data).hexdigest()
+        if len(data) != meta.index["size"] or digest != meta.index["sha256"]:
+            return [
+                f"{path}: expected {meta.index['size']} bytes with sha256 "
+                f"{meta.index['sha256']} as {METADATA} records, found {len(data)} bytes with "
+                f"sha256 {digest}; the file is corrupt, {fix}"
+            ]
+    try:
+        index = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        return [f"{path}: not valid JSON ({e}); {fix}"]
+    buffer_bytes = sum(nbytes.get(name, 0) for name in meta.buffers)
+    want = index_json(meta.raw, buffer_bytes)
+    if not isinstance(index, dict) or index.keys() != want.keys():
+        keys = sorted(index) if isinstance(index, dict) else type(index).__name__
+        return [f"{path}: expected the keys ['metadata', 'weight_map'], got {keys}; {fix}"]
+    problems = []
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict) or weight_map != want["weight_map"]:
+        have = weight_map if isinstance(weight_map, dict) else {}
+        wrong = sorted(
+            k
+            for k in want["weight_map"].keys() | set(have)
+            if want["weight_map"].get(k) != have.get(k)
+        )
+        problems.append(f"{path}: weight_map disagrees with {METADATA} for {wrong[:3]}; {fix}")
+    known = all(name in nbytes for name in meta.buffers)  # else a file's problem says why
+    if index["metadata"] != want["metadata"] and known:
+        problems.append(
+            f"{path}: metadata: expected {json.dumps(want['metadata'])} as {METADATA} and the "
+            f"files imply, got {json.dumps(index['metadata'])}; {fix}"
+        )
+    return problems
 
 
 def inspect_checkpoint(
@@ -317,11 +355,15 @@ def inspect_checkpoint(
 ) -> CheckpointReport:
     """Describe the checkpoint at ``path`` (or the latest under a root) and verify every byte.
 
-    Reads every file whole, chunk by chunk, checking its size, every chunk's
-    CRC32, its header and the tensors ``metadata.json`` places in it. Problems
-    are collected in ``report.problems``; an unreadable ``metadata.json`` or a
-    root without a complete checkpoint raises :class:`CheckpointError`, a
-    missing path :class:`ArgumentError`.
+    Verifies ``metadata.json`` (its SHA-256, then every value), then reads
+    every file whole, chunk by chunk, checking its size, every chunk's CRC32,
+    its header and the tensors ``metadata.json`` places in it, and checks
+    ``model.safetensors.index.json`` against ``metadata.json``. Problems are
+    collected in ``report.problems``, each naming its file; a ``metadata.json``
+    that fails its checksum or holds a bad value, or a root without a complete
+    checkpoint, raises :class:`CheckpointError`, a missing path
+    :class:`ArgumentError`. A checkpoint of format 1 (no checksum) is reported
+    with ``report.protected`` false and a warning.
 
     Example::
 
@@ -330,10 +372,10 @@ def inspect_checkpoint(
     """
     given = _existing(path)
     ckpt = resolve(given)
-    meta = read_metadata(ckpt)
+    meta = read_metadata(ckpt)  # its checksum and every value, or CheckpointError
     steps = [s for s, _ in complete_checkpoints(given)] if ckpt != given else []
     opt = meta.optim  # read_metadata has checked its structure
-    problems = _index_problems(meta)
+    problems: list[str] = []
     layout = meta.layout
     optimizer = None
     if opt is not None:
@@ -361,19 +403,27 @@ def inspect_checkpoint(
         buffers=dict(meta.buffers),
         optimizer=optimizer,
         extra=meta.extra,
+        protected=meta.protected,
     )
+    if not meta.protected:
+        report.warnings.append(
+            f"{meta.path / METADATA}: format {report.format_version} carries no checksum, so "
+            "damage to its values cannot be detected (they were checked for type and range "
+            "only); `torchshard reshard` writes a protected copy"
+        )
     expected = _expected_tensors(meta, opt)
+    nbytes: dict[str, int] = {}
     progress = progress or Progress()
     progress.start(f"verify {ckpt.name}", sum(r.size for r in meta.files.values()))
     try:
         for name, record in meta.files.items():
             progress.file(name)
-            status = _verify_file(meta.file_path(name), record, expected[name], progress)
+            status = _verify_file(meta.file_path(name), record, expected[name], progress, nbytes)
             report.files.append(status)
             problems += status.problems
     finally:
         progress.close()
-    report.problems = problems
+    report.problems = problems + _index_problems(meta, nbytes)
     return report
 
 

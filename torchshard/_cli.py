@@ -279,6 +279,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(f"world size   {r.world_size} (at save)")
         print(f"format       {r.format_version}")
         print(
+            "metadata     sha256 verified, every value checked"
+            if r.protected
+            else "metadata     UNPROTECTED: no checksum (format 1); every value checked"
+        )
+        print(
             f"parameters   {r.parameters:,} ({r.param_numel:,} elements, {r.dtype}, "
             f"{_size(r.param_numel * itemsize)}); flat buffer {r.numel:,} elements"
         )
@@ -303,6 +308,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         for f in r.files:
             status = "OK" if f.ok else "BAD"
             print(f"  {f.name:<{width}}  {f.size:>14,} bytes  {f.chunks:>5} chunks  {status}")
+        for w in r.warnings:
+            print(f"warning: {w}")
         if r.ok:
             print(f"OK: {len(r.files)} files, {r.total_bytes:,} bytes, every checksum verified")
         else:
@@ -409,8 +416,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser(
         "inspect",
         help="describe a checkpoint and verify every file and checksum",
-        description="Print what a checkpoint holds and verify every file's size and every chunk's "
-        "checksum. Exit status 0 when all is well, 1 when anything is wrong.",
+        description="Print what a checkpoint holds and verify metadata.json's checksum and "
+        "values, every file's size and every chunk's checksum, and the index transformers reads "
+        "against metadata.json. Exit status 0 when all is well (a format-1 checkpoint, which "
+        "has no metadata checksum, gets a warning), 1 when anything is wrong.",
     )
     p.add_argument("path", metavar="PATH", help=ckpt_help)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
