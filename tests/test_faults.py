@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -249,3 +250,50 @@ def test_a_rank_that_is_alive_but_never_saves_is_a_timeout_naming_the_step(tmp_p
     )
     assert "every rank must call save() at the same step" in message, message
     assert not complete_checkpoints(tmp_path)
+
+
+@pytest.mark.slow
+def test_elastic_node_joins_and_the_job_resumes_at_the_new_world_size(tmp_path):
+    """torchrun --nnodes 1:2 on loopback: node A trains alone, node B joins, both restart at
+    world size 2 from A's latest checkpoint, data position included. torch's shared agent
+    store fails this re-rendezvous on its own (role_info wait timeout); hence the
+    README's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for elastic runs."""
+    port = free_port()
+    cmd = [
+        *(
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "1",
+        ),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "el"),
+        *("--rdzv-conf", "last_call_timeout=1", "--max-restarts", "3", "--monitor-interval", "0.1"),
+        str(HERE.parent / "examples" / "train_gpt.py"),
+        *("--preset", "tiny", "--block-size", "32", "--batch-size", "12", "--steps", "8000"),
+        *("--save-every", "100", "--log-every", "1000", "--threads", "1", "--num-workers", "0"),
+        *("--ckpt-dir", str(tmp_path / "ckpt"), "--resume"),
+    ]
+    env = clean_env() | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    procs = []
+    try:
+        with open(logs[0], "w") as out:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 120
+        while "world 1 on cpu" not in logs[0].read_text():  # A trains alone: now B joins
+            assert procs[0].poll() is None and time.monotonic() < deadline, logs[0].read_text()
+            time.sleep(0.2)
+        with open(logs[1], "w") as out:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    text = logs[0].read_text() + logs[1].read_text()
+    assert codes == [0, 0], text
+    assert re.search(r"resumed from \S+/step-\d+ \(saved at world size 1", text), text
+    assert "world 2 on cpu" in text and "data: epoch" in text, text
+    assert "done: first logged loss" in text, text

@@ -113,8 +113,12 @@ def _attempt_store(timeout: timedelta | None) -> dist.Store:
         is_master=False,
         timeout=timeout or timedelta(minutes=10),
     )
+    # A failure restarts with the next count; a membership change (--nnodes MIN:MAX) restarts
+    # with the same count at another world size. A node replaced at the same world size can
+    # see counts differ per node: there, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (README).
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"torchshard/attempt-{attempt}/", store)
+    world = _env_int("WORLD_SIZE", 1)
+    return dist.PrefixStore(f"torchshard/attempt-{attempt}/world-{world}/", store)
 
 
 def destroy_owned_group() -> None:
