@@ -325,3 +325,49 @@ def test_optimizer_zero_grad_does_not_let_sharded_gradients_accumulate():
     # Before: the module's full-size .grad survived optimizer.zero_grad() and every
     # backward added to all the earlier ones (and a resumed run, starting clean, diverged).
     assert run_distributed(_optimizer_zero_grad_is_enough, 2, timeout=60) == [True, True]
+
+
+class _HalfUnused(torch.nn.Module):
+    """The first half of the flat buffer is a layer no step uses: rank 0 of 2 holds no state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Linear(16, 16)
+        self.used = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _state_only_on_rank_1(root: str) -> list[bool]:
+    from torchshard import checkpoint
+
+    def make():
+        torch.manual_seed(0)
+        trainer = DistributedTrainer(FlatParamModule(_HalfUnused(), align_bytes=4), shard=True)
+        return trainer, trainer.make_optimizer(torch.optim.AdamW, lr=1e-2)
+
+    trainer, opt = make()
+    for step in range(3):
+        opt.zero_grad()
+        trainer.module(
+            torch.randn(2, 16, generator=torch.Generator().manual_seed(step))
+        ).sum().backward()
+        trainer.step()
+    has_state = bool(opt.state)
+    checkpoint.save(root, trainer, step=3, optimizer=opt)
+    fresh, opt2 = make()
+    checkpoint.load(root, fresh, optimizer=opt2)
+    same = [has_state == (trainer.rank == 1)]
+    for p, q in zip(opt.param_groups[0]["params"], opt2.param_groups[0]["params"]):
+        st, st2 = opt.state.get(p, {}), opt2.state.get(q, {})
+        same.append(st.keys() == st2.keys() and all(torch.equal(st[k], st2[k]) for k in st))
+    trainer.close()
+    fresh.close()
+    return same
+
+
+def test_sharded_save_keeps_state_that_only_a_rank_other_than_0_holds(tmp_path):
+    # Before: the state keys were rank 0's, so rank 1's exp_avg/exp_avg_sq were never written.
+    for same in run_distributed(_state_only_on_rank_1, 2, str(tmp_path), timeout=60):
+        assert all(same), same

@@ -42,7 +42,7 @@ from ._dist import RankLostError, exchange_bytes
 from ._errors import CheckpointError
 from ._flat_module import FlatParamModule
 from ._hf import transformers_config
-from ._layout import dtype_name
+from ._layout import dtype_from_name, dtype_name
 from ._log import get_logger
 from ._reshard import element_ranges, weight_shards
 from ._safetensors import FileRecord, SafetensorsWriter, write_safetensors
@@ -223,6 +223,21 @@ class _Writer:
             share.buffer_bytes += b.numel() * b.element_size()
 
         view = OptimizerView.of(optimizer, fm, t.trainer) if optimizer is not None else None
+        scalars: tuple[dict[str, Any], str] = ({}, "")
+        if view is not None:
+            mine = view.scalars(len(layout))
+            if optimizer is t.sharded_optimizer and t.world > 1:
+                # Each rank knows the state of its own slice only: Adam's step, and which
+                # state tensors exist at all (a rank whose slice no step touched has none).
+                flat = {k: dtype_name(d) for k, d in view.flat_keys.items()}
+                payload = json.dumps({"scalars": mine, "flat": flat}).encode()
+                replies = [json.loads(r) for r in exchange_bytes(payload, t.group, t.device)]
+                scalars = merge_scalars([r["scalars"] for r in replies])
+                for r in replies:
+                    for k, d in r["flat"].items():
+                        view.flat_keys.setdefault(k, dtype_from_name(d))
+            else:
+                scalars = merge_scalars([mine])
         if view is not None and view.flat_keys:
             align = layout.align_bytes // layout.torch_dtype.itemsize
             s0, e0 = element_ranges(layout.numel, t.world, align)[t.rank]
@@ -251,15 +266,6 @@ class _Writer:
                 else:
                     direct = [b - a if part is None else part for a, b, part in pieces]
                     share.optim.append((key, dtype, direct))
-        scalars: tuple[dict[str, Any], str] = ({}, "")
-        if view is not None:
-            mine = view.scalars(len(layout))
-            if optimizer is t.sharded_optimizer and t.world > 1:
-                # Each rank knows the scalar state (Adam's step) of its own slice only.
-                replies = exchange_bytes(json.dumps(mine).encode(), t.group, t.device)
-                scalars = merge_scalars([json.loads(r) for r in replies])
-            else:
-                scalars = merge_scalars([mine])
 
         if t.rank == 0:
             optim_meta = None
