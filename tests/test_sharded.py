@@ -233,7 +233,7 @@ def _loss_curve(dtype: torch.dtype, steps: int) -> dict:
         dist.all_reduce(mean)
         losses.append(mean.item() / trainer.world_size)
     mem = trainer.memory_bytes()
-    master = trainer._master
+    master = trainer._mode._master
     out = {
         "losses": losses,
         "mem": mem,

@@ -147,7 +147,7 @@ class FlatLayout:
     def __post_init__(self) -> None:
         # Cheap structural checks so a layout read from JSON cannot describe
         # overlapping or out-of-range slots.
-        align = self.align_bytes // self.torch_dtype.itemsize
+        align = self.align
         end, seen = 0, set()
         for s in self.slots:
             if s.offset < end or s.offset % align or s.numel != math.prod(s.shape):
@@ -170,6 +170,11 @@ class FlatLayout:
     @property
     def nbytes(self) -> int:
         return self.numel * self.torch_dtype.itemsize
+
+    @property
+    def align(self) -> int:
+        """The alignment in elements: every offset (and every rank boundary) is a multiple."""
+        return self.align_bytes // self.torch_dtype.itemsize
 
     @property
     def param_numel(self) -> int:

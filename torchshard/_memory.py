@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ._layout import FlatLayout
-from ._reshard import element_ranges
+from ._reshard import Geometry
 
 __all__ = ["OPTIMIZER_STATES", "RankMemory", "padded_numel", "plan_memory"]
 
@@ -22,9 +22,7 @@ OPTIMIZER_STATES = {
 
 def padded_numel(layout: FlatLayout, world_size: int, shard: bool) -> int:
     """The flat buffers' length: in sharded mode a multiple of ``world_size`` alignment units."""
-    align = layout.align_bytes // layout.torch_dtype.itemsize
-    unit = align * (world_size if shard else 1)
-    return -(-layout.numel // unit) * unit
+    return Geometry.of(layout, world_size, pad=shard).total
 
 
 @dataclass(frozen=True)
@@ -79,14 +77,13 @@ def plan_memory(
         )
     per_element, scalars = OPTIMIZER_STATES[optimizer]
     dtype = layout.torch_dtype
-    n = padded_numel(layout, world_size, shard)
-    flat_bytes = n * dtype.itemsize
+    geometry = Geometry.of(layout, world_size, pad=shard)
+    flat_bytes = geometry.total * dtype.itemsize
     master = shard and dtype != master_dtype
     state_item = master_dtype.itemsize if master else dtype.itemsize
-    align = layout.align_bytes // dtype.itemsize
     trainable = [s for s in layout if s.requires_grad]
     out = []
-    for rank, (a, b) in enumerate(element_ranges(n, world_size, align)):
+    for rank, (a, b) in enumerate(geometry.ranges()):
         if shard:
             parts = [min(s.end, b) - max(s.offset, a) for s in trainable]
             parts = [p for p in parts if p > 0]

@@ -1,10 +1,90 @@
-"""Who owns what, at any world size: pure range arithmetic on a layout, no process group."""
+"""Who owns what, at any world size: pure range arithmetic on a layout, no process group.
+
+:class:`Geometry` is the one owner of alignment, padding to the world size and each
+rank's element range: the trainer allocates and slices by it, the memory planner
+counts by it and the checkpoint cuts optimizer files by it, so they agree by
+construction.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from ._errors import TorchShardError
 from ._layout import FlatLayout
 
-__all__ = ["element_ranges", "overlap", "weight_shards"]
+__all__ = ["Geometry", "element_ranges", "overlap", "weight_shards"]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How ``numel`` elements starting at ``start`` are cut into ``world_size`` rank ranges.
+
+    Every boundary is a multiple of ``align`` elements past ``start``. With
+    ``pad``, the region is padded to ``total`` so that every rank's range has
+    the same length (what one all-gather or reduce-scatter needs); without it,
+    ``total`` only rounds up to ``align``. A fully sharded mode describes each
+    unit of the buffer by its own padded geometry (``start`` = the unit's offset).
+
+    Example::
+
+        g = Geometry.of(layout, world_size=4, pad=True)
+        flat = torch.empty(g.total)
+        a, b = g.range(rank)          # this rank's slice
+        g.clipped(layout.numel)       # the same cuts over the unpadded layout
+    """
+
+    numel: int
+    world_size: int
+    align: int = 1
+    pad: bool = False
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("numel", "start"):
+            if getattr(self, name) < 0:
+                raise TorchShardError(f"Geometry.{name}: expected >= 0, got {getattr(self, name)}")
+        for name in ("world_size", "align"):
+            if getattr(self, name) < 1:
+                raise TorchShardError(f"Geometry.{name}: expected >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def of(cls, layout: FlatLayout, world_size: int, *, pad: bool) -> Geometry:
+        """The geometry of ``layout``'s whole flat buffer over ``world_size`` ranks."""
+        return cls(layout.numel, world_size, layout.align, pad)
+
+    @property
+    def per_rank(self) -> int:
+        """Elements in each rank's range (the last ranges may be shorter unless ``pad``)."""
+        per = -(-self.numel // self.world_size)
+        return -(-per // self.align) * self.align
+
+    @property
+    def total(self) -> int:
+        """The buffer length: ``numel`` padded to ``align`` (``pad``: to ``world_size`` equal ranges)."""
+        unit = self.align * (self.world_size if self.pad else 1)
+        return -(-self.numel // unit) * unit
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """Each rank's ``[a, b)`` within ``[start, start + total)``."""
+        return self.clipped(self.total)
+
+    def range(self, rank: int) -> tuple[int, int]:
+        return self.ranges()[rank]
+
+    def clipped(self, n: int) -> list[tuple[int, int]]:
+        """The same cuts over ``[start, start + n)``: e.g. the checkpoint's ranges of the
+        unpadded layout, which are the trainer's slices cut at ``layout.numel``."""
+        per, s = self.per_rank, self.start
+        return [(s + min(r * per, n), s + min((r + 1) * per, n)) for r in range(self.world_size)]
+
+    def owner(self, offset: int) -> int:
+        """The rank whose range holds element ``offset``."""
+        if not self.start <= offset < self.start + self.total:
+            raise TorchShardError(
+                f"offset: expected one in [{self.start}, {self.start + self.total}), got {offset}"
+            )
+        return min((offset - self.start) // self.per_rank, self.world_size - 1)
 
 
 def element_ranges(numel: int, world_size: int, align: int = 1) -> list[tuple[int, int]]:
@@ -17,11 +97,7 @@ def element_ranges(numel: int, world_size: int, align: int = 1) -> list[tuple[in
 
         element_ranges(10, 3)  # [(0, 4), (4, 8), (8, 10)]
     """
-    if world_size < 1:
-        raise ValueError(f"world_size: expected >= 1, got {world_size}")
-    per = -(-numel // world_size)
-    per = -(-per // align) * align
-    return [(min(r * per, numel), min((r + 1) * per, numel)) for r in range(world_size)]
+    return Geometry(numel, world_size, align).clipped(numel)
 
 
 def weight_shards(layout: FlatLayout, world_size: int) -> list[tuple[int, int]]:

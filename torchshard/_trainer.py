@@ -20,8 +20,10 @@ from ._errors import RankMismatchError, TorchShardError
 from ._flat_module import FlatParamModule
 from ._layout import FlatLayout
 from ._log import get_logger
-from ._memory import padded_numel
-from ._reshard import element_ranges
+from ._parallel.mode import Context, Mode, Segment
+from ._parallel.replicated import Replicated
+from ._parallel.sharded import ShardedOptimizer
+from ._reshard import Geometry
 
 __all__ = ["CommStats", "DistributedTrainer"]
 
@@ -120,11 +122,11 @@ class DistributedTrainer:
             raise TorchShardError(f"src: expected a rank in [0, {self.world_size}), got {src}")
         self.module = fm
         self.device = self._pick_device(fm, device)
-        self.shard = bool(shard)
+        self._mode = _pick_mode(shard, master_dtype)  # the one place modes are chosen
+        self.shard = self._mode.sharded
         layout = fm.layout
-        align = layout.align_bytes // layout.torch_dtype.itemsize
-        # Sharded: pad so that every rank owns an equal slice (one all-gather).
-        self.padded_numel = padded_numel(layout, self.world_size, self.shard)
+        self._geometry = Geometry.of(layout, self.world_size, pad=self._mode.pads)
+        self.padded_numel = self._geometry.total
         self._bind(fm, init_fn)
         self._flat = fm.flat_param
         self._closed = False
@@ -134,37 +136,41 @@ class DistributedTrainer:
         self.broadcast(src)
         fm._still_unwritten(unwritten)  # src's zeros are no value: check at the first forward
 
-        self._slices = element_ranges(self.padded_numel, self.world_size, align)
-        cuts = tuple(a for a, _ in self._slices) if shard else ()
-        self._buckets: tuple[Bucket, ...] = plan_buckets(
-            layout, bucket_mb * 2**20, total=self.padded_numel, cuts=cuts
+        self._params = tuple(p for _, p in fm.named_flat_views())
+        self._trainable = tuple(i for i, s in enumerate(layout.slots) if s.requires_grad)
+        # float16 tops out at 65504: a sum over ranks overflows where the mean would not,
+        # so divide before reducing (as DDP does). bf16 and fp32 keep divide-after (exact
+        # for a power-of-two world, and what the bitwise tests against DDP pin).
+        self._divide_first = fm.dtype == torch.float16
+        self._ctx = Context(
+            fm=fm,
+            group=self._group,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            geometry=self._geometry,
+            params=self._params,
+            trainable=self._trainable,
+            divide_first=self._divide_first,
         )
-        slice_size = self._slices[0][1] - self._slices[0][0]
-        self._owner = [b.start // slice_size if shard else -1 for b in self._buckets]
+        self._buckets: tuple[Bucket, ...] = plan_buckets(
+            layout,
+            bucket_mb * 2**20,
+            total=self.padded_numel,
+            cuts=self._mode.bucket_cuts(self._ctx),
+        )
+        self._mode.setup(self._ctx, self._buckets)
         self._slot_buckets: list[list[int]] = [[] for _ in layout.slots]
         for b in self._buckets:
             for i in b.slots:
                 self._slot_buckets[i].append(b.index)
-        self._master: torch.Tensor | None = None
-        self._master_grad: torch.Tensor | None = None
-        if shard and fm.dtype != master_dtype:
-            s0, e0 = self._slices[self.rank]
-            self._master = self._flat[s0:e0].to(master_dtype, copy=True)
-            self._master_grad = torch.zeros_like(self._master)
         self._optimizer: torch.optim.Optimizer | None = None
-        self._pieces: list[tuple[int, int, int, torch.nn.Parameter]] = []
         self._averaged = False
-        self._params = [p for _, p in fm.named_flat_views()]
-        self._trainable = [i for i, s in enumerate(layout.slots) if s.requires_grad]
         self._hooks = [
             self._params[i].register_post_accumulate_grad_hook(self._make_hook(i))
             for i in self._trainable
         ]
         self._sync = True
-        # float16 tops out at 65504: a sum over ranks overflows where the mean would not,
-        # so divide before reducing (as DDP does). bf16 and fp32 keep divide-after (exact
-        # for a power-of-two world, and what the bitwise tests against DDP pin).
-        self._divide_first = fm.dtype == torch.float16
         self._works: list[dist.Work] = []
         self._reset_step()
         self.stats = CommStats(buckets=sum(b.trainable > 0 for b in self._buckets))
@@ -200,8 +206,6 @@ class DistributedTrainer:
 
     def _bind(self, fm: FlatParamModule, init_fn: Callable[[torch.nn.Module], None] | None) -> None:
         n = self.padded_numel
-        self._mask_store: torch.Tensor | None = None  # [used mask, padded | flat gradient]
-        self._mask: torch.Tensor | None = None
         if fm.is_bound:
             if fm.device != self.device:
                 fm.to(self.device)
@@ -216,15 +220,13 @@ class DistributedTrainer:
         was_meta = any(p.is_meta for p in fm.module.parameters())
         flat = torch.empty(n, dtype=fm.dtype, device=self.device)
         flat[fm.numel :].zero_()  # padding: all-gathered and checkpointed, so defined
-        # Replicated: the used-parameter mask sits just before the gradient, so it rides
-        # in the all-reduce of the bucket that starts at 0 (always launched last).
+        # A mode may keep a few elements just before the gradient (replicated: the
+        # used-parameter mask, which then rides in the all-reduce of the bucket at 0).
         n_mask = sum(s.requires_grad for s in fm.layout.slots)
-        align = fm.layout.align_bytes // fm.layout.torch_dtype.itemsize
-        k = 0 if self.shard or self.world_size == 1 else -(-n_mask // align) * align
+        k = self._mode.mask_elements(n_mask, self.world_size, fm.layout.align)
         store = torch.zeros(k + n, dtype=fm.dtype, device=self.device)
         fm.bind(flat, store[k:])
-        if k:
-            self._mask_store, self._mask = store, store[:n_mask]
+        self._mode.bind(store, k, n_mask)
         if was_meta:
             fm.init_weights(init_fn)
 
@@ -233,7 +235,7 @@ class DistributedTrainer:
         layout = self.module.layout
         buffers = [[n, list(b.shape), str(b.dtype)] for n, b in self.module.module.named_buffers()]
         mine = layout.fingerprint() + hashlib.sha256(json.dumps(buffers).encode()).hexdigest()[:32]
-        mine += "m" if self._mask_store is not None else "-"
+        mine += self._mode.fingerprint()
         # The same exchange agrees a token (rank src's) naming this trainer's keys in the
         # store: unique per group and per run attempt, see Coordinator.
         replies = exchange_bytes(
@@ -310,23 +312,8 @@ class DistributedTrainer:
             view = grad[bucket.start : bucket.end]
             if self._divide_first:
                 view.div_(self.world_size)
-            if self.shard:  # the bucket lies in one rank's slice: reduce it to that rank
-                dst = self._global(self._owner[bucket.index])
-                work = dist.reduce(view, dst, group=self._group, async_op=True)
-            else:
-                if self._mask_store is not None and bucket.start == 0:
-                    # Buckets launch in order, so every parameter that gets a gradient
-                    # this step has it now: the mask is final.
-                    used = [self._params[i].grad is not None for i in self._trainable]
-                    self._mask.copy_(torch.tensor(used, dtype=self._mask.dtype))
-                    view = self._mask_store[: self._mask_store.numel() - grad.numel() + bucket.end]
-                    self._mask_sent = True
-                work = dist.all_reduce(view, group=self._group, async_op=True)
-            self._works.append(work)
+            self._works.append(self._mode.launch(self._ctx, bucket, view))
         self._launched_in_backward += in_backward
-
-    def _global(self, rank: int) -> int:
-        return rank if self._group is None else dist.get_global_rank(self._group, rank)
 
     def average_gradients(self) -> None:
         """Finish the gradient reduction: afterwards the flat gradient holds the mean over ranks.
@@ -344,11 +331,10 @@ class DistributedTrainer:
             self._next += 1
         used = [self._params[i].grad is not None for i in self._trainable]
         if self.world_size > 1:
-            # Which parameters have a gradient anywhere: one small all-reduce,
-            # always issued last so the order is the same on every rank.
-            if self._mask_sent:
-                mask = self._mask
-            else:
+            # Which parameters have a gradient anywhere: in a bucket already, or in one
+            # small all-reduce, always issued last so the order is the same on every rank.
+            mask = self._mode.sent_mask()
+            if mask is None:
                 mask = torch.tensor(used, dtype=torch.int32, device=self.device)
                 self._works.append(dist.all_reduce(mask, group=self._group, async_op=True))
             t0 = time.perf_counter()
@@ -356,28 +342,16 @@ class DistributedTrainer:
                 work.wait()
             self.stats.wait_seconds += time.perf_counter() - t0
             used = [bool(n) for n in mask.tolist()]
+        self._mode.finish(self._ctx)
         grad = self.module.flat_grad
         assert grad is not None
-        if self.shard:
-            s0, e0 = self._slices[self.rank]
-            mine = grad[s0:e0]
-            if self._master_grad is not None:
-                # summed across ranks in the buffer's dtype (half the traffic in bf16),
-                # divided here in the master dtype
-                self._master_grad.copy_(mine)
-                mine = self._master_grad
-            if self.world_size > 1 and not self._divide_first:
-                mine.div_(self.world_size)
-        elif self.world_size > 1 and not self._divide_first:
-            grad.div_(self.world_size)
         globally_used = dict(zip(self._trainable, used))
         for i in self._trainable:
             p = self._params[i]
             if globally_used[i] and p.grad is None:
                 s = self.module.layout.slots[i]
                 p.grad = grad[s.offset : s.end].view(s.shape)
-        for i, a, b, piece in self._pieces:
-            piece.grad = self._slice_view(self._grad_slice(), a, b) if globally_used[i] else None
+        self._mode.attach_grads(self._ctx, globally_used)
         self._works.clear()
         self.stats.steps += 1
         self.stats.launched_during_backward = self._launched_in_backward
@@ -454,13 +428,13 @@ class DistributedTrainer:
         self._check_open()
         if not self._averaged:
             self.average_gradients()
-        grad = self._grad_slice() if self.shard else self.module.flat_grad
+        grad = self._mode.local_grad(self._ctx)
         if grad is None:
             return torch.zeros((), device=self.device)
         norm_type = float(norm_type)
         low = grad.dtype in (torch.bfloat16, torch.float16)  # accumulate those in fp32
         local = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32 if low else None)
-        if self.shard and self.world_size > 1:
+        if self._mode.norm_is_partial and self.world_size > 1:
             if norm_type == float("inf"):
                 dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._group)
                 total = local
@@ -523,18 +497,8 @@ class DistributedTrainer:
         self.group_names = [[] for _ in range(len(rules) + 1)]
         for i in self._trainable:
             self.group_names[group_of(i)].append(layout.slots[i].name)
-        if self.shard:
-            s0, e0 = self._slices[self.rank]
-            for i in self._trainable:
-                s = layout.slots[i]
-                a, b = max(s.offset, s0), min(s.end, e0)
-                if a < b:
-                    piece = torch.nn.Parameter(self._slice_view(self._param_slice(), a, b))
-                    self._pieces.append((i, a, b, piece))
-                    members[group_of(i)].append(piece)
-        else:
-            for i in self._trainable:
-                members[group_of(i)].append(self._params[i])
+        for i, _, _, tensor in self._mode.optimizer_tensors(self._ctx):
+            members[group_of(i)].append(tensor)
         if not any(members):
             # torch refuses an optimizer without parameters; a rank whose slice
             # holds only padding steps an empty tensor instead.
@@ -549,19 +513,13 @@ class DistributedTrainer:
         """The optimizer built by :meth:`make_optimizer` (``None`` before)."""
         return self._optimizer
 
-    def optimizer_segments(self) -> list[tuple[int, int, int, torch.Tensor]]:
+    def optimizer_segments(self) -> list[Segment]:
         """``(slot, start, end, tensor)`` for each tensor :meth:`make_optimizer` handed to the optimizer.
 
         ``[start, end)`` is the tensor's range of the flat buffer (a whole
         parameter, or in sharded mode the part in this rank's slice).
         """
-        if self.shard:
-            return [(i, a, b, piece) for i, a, b, piece in self._pieces]
-        layout = self.module.layout
-        return [
-            (i, layout.slots[i].offset, layout.slots[i].end, self._params[i])
-            for i in self._trainable
-        ]
+        return self._mode.optimizer_tensors(self._ctx)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -574,62 +532,24 @@ class DistributedTrainer:
         if not self._averaged:
             self.average_gradients()
         self._optimizer.step()
-        if self.shard:
-            self.gather_slices()
-            # The full-size gradient was consumed by the reduction (FSDP frees it too).
-            # The optimizer holds slice pieces, so `optimizer.zero_grad()` cannot reach the
-            # module's `.grad`: left set, the next backward would add to this step's.
-            for i in self._trainable:
-                self._params[i].grad = None
+        self._mode.after_step(self._ctx)
         self._averaged = False
 
-    @torch.no_grad()
     def gather_slices(self) -> None:
-        """Sharded mode: copy the master slice into the flat buffer and all-gather every slice."""
-        flat = self._flat
-        s0, e0 = self._slices[self.rank]
-        if self._master is not None:
-            flat[s0:e0].copy_(self._master)
-        if self.world_size == 1:
-            return
-        if self.device.type == "cuda":
-            # all_gather_single is all_gather_into_tensor's name from torch 2.13 on
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            gather(flat[: self.padded_numel], flat[s0:e0], group=self._group)
-        else:  # gloo: all_gather into views of the flat buffer, no extra copy
-            outs = [flat[a:b] for a, b in self._slices]
-            dist.all_gather(outs, flat[s0:e0], group=self._group)
+        """Sharded mode: copy the master slice into the flat buffer and all-gather every
+        rank's slice (after the slices were changed, e.g. by a load); otherwise nothing."""
+        self._mode.gather(self._ctx)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients: the next backward writes into the flat gradient afresh."""
         self.module.zero_grad(set_to_none=set_to_none)
-        for *_, piece in self._pieces:
-            piece.grad = None
+        self._mode.zero_grad()
         self._averaged = False
 
     def refresh_master(self) -> None:
         """Sharded mixed precision: copy the rank's slice of the weights into the master copy
         (after the weights were changed other than by :meth:`step`, e.g. by a load)."""
-        if self._master is not None:
-            s0, e0 = self._slices[self.rank]
-            with torch.no_grad():
-                self._master.copy_(self._flat[s0:e0])
-
-    def _param_slice(self) -> torch.Tensor:
-        s0, e0 = self._slices[self.rank]
-        return self._master if self._master is not None else self._flat[s0:e0]
-
-    def _grad_slice(self) -> torch.Tensor:
-        s0, e0 = self._slices[self.rank]
-        if self._master_grad is not None:
-            return self._master_grad
-        grad = self.module.flat_grad
-        assert grad is not None
-        return grad[s0:e0]
-
-    def _slice_view(self, t: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        s0 = self._slices[self.rank][0]
-        return t[a - s0 : b - s0]
+        self._mode.refresh_master(self._ctx)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds: ``parameters``, ``gradients``, ``optimizer`` state, ``master``."""
@@ -640,10 +560,7 @@ class DistributedTrainer:
                 for v in state.values():
                     if isinstance(v, torch.Tensor):
                         opt += v.numel() * v.element_size()
-        master = 0
-        for t in (self._master, self._master_grad):
-            if t is not None:
-                master += t.numel() * t.element_size()
+        master = self._mode.master_bytes()
         return {
             "parameters": flat.numel() * flat.element_size(),
             "gradients": 0 if grad is None else grad.numel() * grad.element_size(),
@@ -725,3 +642,12 @@ def _bit_checksum(t: torch.Tensor, chunk: int = 1 << 20) -> int:
         weights = torch.arange(start + 1, start + 1 + part.numel(), device=part.device) % 65521
         total = (total + int((part * (weights + 1)).sum())) % (1 << 62)
     return total
+
+
+def _pick_mode(shard: bool, master_dtype: torch.dtype) -> Mode:
+    """The parallel mode for ``shard=``: read once, here (a new mode is a file and a line)."""
+    if shard is True or shard == 1:
+        return ShardedOptimizer(master_dtype)
+    if shard is False or shard == 0:
+        return Replicated()
+    raise TorchShardError(f"shard: expected True or False, got {shard!r}")

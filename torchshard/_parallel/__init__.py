@@ -1,0 +1,1 @@
+"""Data parallelism over one flat buffer: the trainer's modes, one file each (see mode.py)."""

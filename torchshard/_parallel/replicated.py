@@ -1,0 +1,49 @@
+"""Replicated mode (DDP's): every bucket all-reduced, every rank updates every parameter."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .._buckets import Bucket
+from .mode import Context, Mode
+
+__all__ = ["Replicated"]
+
+
+class Replicated(Mode):
+    """All-reduce each bucket; the used-parameter mask rides in the last bucket launched."""
+
+    def __init__(self) -> None:
+        self._store: torch.Tensor | None = None  # [used mask | padded | flat gradient]
+        self._mask: torch.Tensor | None = None
+        self._sent = False
+
+    def mask_elements(self, n_trainable: int, world_size: int, align: int) -> int:
+        return 0 if world_size == 1 else -(-n_trainable // align) * align
+
+    def bind(self, store: torch.Tensor, k: int, n_trainable: int) -> None:
+        if k:
+            self._store, self._mask = store, store[:n_trainable]
+
+    def fingerprint(self) -> str:
+        return "m" if self._store is not None else "-"
+
+    def launch(self, ctx: Context, bucket: Bucket, view: torch.Tensor) -> dist.Work:
+        if self._store is not None and bucket.start == 0:
+            # Buckets launch in order and the one at 0 is the last: every parameter that
+            # gets a gradient this step has it now, so the mask is final.
+            assert self._mask is not None
+            used = [ctx.params[i].grad is not None for i in ctx.trainable]
+            self._mask.copy_(torch.tensor(used, dtype=self._mask.dtype))
+            view = self._store[: self._store.numel() - ctx.grad.numel() + bucket.end]
+            self._sent = True
+        return dist.all_reduce(view, group=ctx.group, async_op=True)
+
+    def sent_mask(self) -> torch.Tensor | None:
+        mask, self._sent = (self._mask if self._sent else None), False
+        return mask
+
+    def finish(self, ctx: Context) -> None:
+        if ctx.world_size > 1 and not ctx.divide_first:
+            ctx.grad.div_(ctx.world_size)
