@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 import torchshard
-from torchshard._ckpt_format import build_metadata, model_file, optim_file
 from torchshard._memory import padded_numel
+from torchshard.checkpoint._format import build_metadata, model_file, optim_file
 
 LLAMA_70B = dict(
     hidden_size=8192,

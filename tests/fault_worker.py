@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 import torchshard
-import torchshard._checkpoint as _ckpt
+import torchshard.checkpoint._save as _ckpt
 from torchshard import checkpoint
 
 GLOBAL_BATCH = 12

@@ -38,8 +38,8 @@ from test_checkpoint_integrity import reseal
 
 import torchshard
 from torchshard import TorchShardError, checkpoint
-from torchshard._ckpt_format import OPTIMIZER_RULES
 from torchshard.checkpoint import CheckpointError
+from torchshard.checkpoint._format import OPTIMIZER_RULES
 
 CFG = GPTConfig.preset("tiny")  # 28 parameter slots, 7872 elements: 34 KB of weights
 MODEL = "model-00001-of-00001.safetensors"
@@ -1265,7 +1265,7 @@ def test_ranks_saving_to_different_directories_all_raise_naming_it(tmp_path):
 
 
 def _store_connections() -> list[bool]:
-    from torchshard._ckpt_target import Target
+    from torchshard.checkpoint._target import Target
 
     trainer = torchshard.DistributedTrainer(torchshard.FlatParamModule(torch.nn.Linear(4, 4)))
     first, second = Target(trainer).store, Target(trainer).store

@@ -26,9 +26,10 @@ from test_checkpoint_integrity import reseal
 from torch import nn
 
 import torchshard
-from torchshard import _ckpt_tools, checkpoint
-from torchshard._ckpt_tools import Progress, consolidate, inspect_checkpoint, reshard
+from torchshard import checkpoint
 from torchshard._cli import main
+from torchshard.checkpoint import _tools
+from torchshard.checkpoint._tools import Progress, consolidate, inspect_checkpoint, reshard
 
 INDEX = "model.safetensors.index.json"
 
@@ -280,7 +281,7 @@ def test_consolidate_of_a_corrupt_checkpoint_writes_nothing(trained, tmp_path, c
 @pytest.mark.parametrize("world", [3, 1, 7])
 def test_reshard_loads_identically(trained, tmp_path, capsys, monkeypatch, world):
     root, fm, opt = trained
-    monkeypatch.setattr(_ckpt_tools, "_BLOCK_BYTES", 100)  # many blocks per tensor and piece
+    monkeypatch.setattr(_tools, "_BLOCK_BYTES", 100)  # many blocks per tensor and piece
     out = tmp_path / f"world{world}"
     assert main(["reshard", str(root), str(out), "--world-size", str(world)]) == 0
     capsys.readouterr()

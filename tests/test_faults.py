@@ -23,7 +23,7 @@ from multiprocess import free_port, run_distributed
 
 import torchshard
 from torchshard import checkpoint
-from torchshard._ckpt_format import complete_checkpoints
+from torchshard.checkpoint._format import complete_checkpoints
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "fault_worker.py")

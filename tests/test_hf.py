@@ -13,9 +13,9 @@ from torch import nn
 
 import torchshard
 from torchshard import TorchShardError, checkpoint
-from torchshard._ckpt_tools import consolidate
 from torchshard._cli import main
 from torchshard._hf import clear_init_flags
+from torchshard.checkpoint._tools import consolidate
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")

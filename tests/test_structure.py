@@ -6,6 +6,7 @@ import ast
 from pathlib import Path
 
 import torchshard
+import torchshard.checkpoint
 
 PACKAGE = Path(torchshard.__file__).parent
 
@@ -30,38 +31,59 @@ ALLOWED = {
     },
     "_reshard": {"_layout"},
     "_memory": {"_layout", "_reshard"},
-    "_safetensors": {"_errors"},
-    "_ckpt_format": {"_errors", "_layout", "_reshard", "_safetensors"},
-    "_ckpt_optim": {"_errors", "_flat_module", "_layout", "_trainer"},
-    "_ckpt_target": {"_errors", "_flat_module", "_trainer"},
-    "_ckpt_load": {
-        "_ckpt_format",
-        "_ckpt_optim",
-        "_ckpt_target",
+    "_estimate": {"_errors", "_flat_module", "_layout", "_log", "_memory"},
+    "_cli": {"__init__", "_errors", "_estimate", "_layout", "checkpoint._tools"},
+    # The checkpoint wing, keyed by dotted path under torchshard.
+    "checkpoint._safetensors": {"_errors"},
+    "checkpoint._format": {"_errors", "_layout", "_reshard", "checkpoint._safetensors"},
+    "checkpoint._optim": {"_errors", "_flat_module", "_layout", "_trainer"},
+    "checkpoint._target": {"_errors", "_flat_module", "_trainer"},
+    "checkpoint._load": {
         "_dist",
         "_errors",
         "_flat_module",
         "_layout",
         "_reshard",
-        "_safetensors",
         "_trainer",
+        "checkpoint._format",
+        "checkpoint._optim",
+        "checkpoint._target",
     },
-    "_ckpt_tools": {"_ckpt_format", "_errors", "_layout", "_reshard", "_safetensors"},
-    "_estimate": {"_errors", "_flat_module", "_layout", "_log", "_memory"},
-    "_cli": {"__init__", "_ckpt_tools", "_errors", "_estimate", "_layout"},
+    "checkpoint._tools": {
+        "_errors",
+        "_layout",
+        "_reshard",
+        "checkpoint._format",
+        "checkpoint._safetensors",
+    },
 }
 # save: load's world, load itself, and a transformers model's config
-ALLOWED["_checkpoint"] = ALLOWED["_ckpt_load"] | {"_ckpt_load", "_hf", "_log"}
+ALLOWED["checkpoint._save"] = ALLOWED["checkpoint._load"] | {
+    "_hf",
+    "_log",
+    "checkpoint._load",
+    "checkpoint._safetensors",
+}
 # The trainer side never reaches into checkpointing.
-CHECKPOINT = {m for m in ALLOWED if m.startswith("_ck") or m == "_checkpoint"}
+CHECKPOINT = {"checkpoint"} | {m for m in ALLOWED if m.startswith("checkpoint.")}
+
+
+def modules() -> dict[str, Path]:
+    """Every private module, by dotted path under torchshard: ``_trainer``, ``checkpoint._save``."""
+    found = {p.stem: p for p in PACKAGE.glob("_*.py")}
+    found |= {f"checkpoint.{p.stem}": p for p in (PACKAGE / "checkpoint").glob("_*.py")}
+    return {name: p for name, p in found.items() if not name.endswith("__init__")}
 
 
 def internal_imports(path: Path) -> tuple[set[str], list[str]]:
+    """What ``path`` imports from torchshard (dotted paths; the package face is ``__init__``)."""
     tree = ast.parse(path.read_text())
+    where = path.parent.relative_to(PACKAGE).parts
     found, calls = set(), []
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            found.add(node.module or "__init__")
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            base = list(where[: len(where) - node.level + 1])
+            found.add(".".join([*base, node.module] if node.module else base) or "__init__")
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             calls.append(node.func.id)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
@@ -70,21 +92,46 @@ def internal_imports(path: Path) -> tuple[set[str], list[str]]:
 
 
 def test_import_directions():
-    modules = {p.stem for p in PACKAGE.glob("_*.py") if p.stem != "__init__"}
-    assert modules == set(ALLOWED), "place new modules in ALLOWED"
+    found_modules = modules()
+    assert set(found_modules) == set(ALLOWED), "place new modules in ALLOWED"
     for name, allowed in ALLOWED.items():
-        found, _ = internal_imports(PACKAGE / f"{name}.py")
+        found, _ = internal_imports(found_modules[name])
         assert found <= allowed, f"{name} imports {found - allowed}"
     for name in ("_layout", "_flat_module", "_buckets", "_dist", "_trainer"):
         assert not ALLOWED[name] & CHECKPOINT, name
 
 
 def test_library_neither_prints_nor_configures_logging():
-    for path in PACKAGE.glob("_*.py"):
+    for name, path in modules().items():
         _, calls = internal_imports(path)
-        if path.stem != "_cli":
-            assert "print" not in calls, path.name
-        assert "logging.basicConfig" not in calls, path.name
+        if name != "_cli":
+            assert "print" not in calls, name
+        assert "logging.basicConfig" not in calls, name
+
+
+def test_the_checkpoint_face_only_re_exports():
+    face = PACKAGE / "checkpoint" / "__init__.py"
+    body = ast.parse(face.read_text()).body
+    for node in body:
+        docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+        names = [t.id for t in node.targets] if isinstance(node, ast.Assign) else []
+        assert isinstance(node, ast.ImportFrom) or docstring or names == ["__all__"], ast.unparse(
+            node
+        )
+    assert set(torchshard.checkpoint.__all__) == {
+        "CheckpointError",
+        "CheckpointFuture",
+        "CheckpointInfo",
+        "Checkpointer",
+        "async_save",
+        "consolidate",
+        "inspect_checkpoint",
+        "load",
+        "reshard",
+        "save",
+    }
+    for name in torchshard.checkpoint.__all__:
+        assert getattr(torchshard.checkpoint, name).__doc__, f"{name} has no docstring"
 
 
 def test_public_api_is_exported_and_documented():

@@ -13,7 +13,6 @@ from typing import Any, NoReturn
 import torch
 
 from . import __version__
-from ._ckpt_tools import ArgumentError, Progress, consolidate, inspect_checkpoint, reshard
 from ._errors import TorchShardError
 from ._estimate import (
     DTYPES,
@@ -30,6 +29,7 @@ from ._estimate import (
     parse_override,
 )
 from ._layout import FlatLayout, dtype_name
+from .checkpoint._tools import ArgumentError, Progress, consolidate, inspect_checkpoint, reshard
 
 
 def _load_factory(spec: str) -> torch.nn.Module:

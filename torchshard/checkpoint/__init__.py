@@ -5,10 +5,10 @@ and ``reshard``.
 See ``docs/checkpoint-format.md`` for the format.
 """
 
-from .._checkpoint import Checkpointer, CheckpointFuture, async_save, load, save
-from .._ckpt_target import CheckpointInfo
-from .._ckpt_tools import consolidate, inspect_checkpoint, reshard
 from .._errors import CheckpointError
+from ._save import Checkpointer, CheckpointFuture, async_save, load, save
+from ._target import CheckpointInfo
+from ._tools import consolidate, inspect_checkpoint, reshard
 
 __all__ = [
     "CheckpointError",

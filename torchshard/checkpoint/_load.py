@@ -16,15 +16,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._ckpt_format import METADATA, OPTIMIZER_RULES, Metadata, Readers, read_metadata, resolve
-from ._ckpt_optim import MASTER, OptimizerView, group_problem, restore_group_values
-from ._ckpt_target import CheckpointInfo, Target
-from ._dist import exchange_bytes
-from ._errors import CheckpointError
-from ._flat_module import FlatParamModule
-from ._layout import dtype_from_name
-from ._reshard import element_ranges, overlap
-from ._trainer import DistributedTrainer
+from .._dist import exchange_bytes
+from .._errors import CheckpointError
+from .._flat_module import FlatParamModule
+from .._layout import dtype_from_name
+from .._reshard import element_ranges, overlap
+from .._trainer import DistributedTrainer
+from ._format import METADATA, OPTIMIZER_RULES, Metadata, Readers, read_metadata, resolve
+from ._optim import MASTER, OptimizerView, group_problem, restore_group_values
+from ._target import CheckpointInfo, Target
 
 __all__ = ["load"]
 

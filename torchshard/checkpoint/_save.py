@@ -26,7 +26,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._ckpt_format import (
+from .._dist import RankLostError, exchange_bytes
+from .._errors import CheckpointError
+from .._flat_module import FlatParamModule
+from .._hf import transformers_config
+from .._layout import dtype_from_name, dtype_name
+from .._log import get_logger
+from .._reshard import element_ranges, weight_shards
+from .._trainer import DistributedTrainer
+from ._format import (
     build_metadata,
     commit,
     complete_checkpoints,
@@ -35,18 +43,10 @@ from ._ckpt_format import (
     step_dir,
     tmp_dir,
 )
-from ._ckpt_load import load
-from ._ckpt_optim import OptimizerView, merge_scalars
-from ._ckpt_target import CheckpointInfo, Target
-from ._dist import RankLostError, exchange_bytes
-from ._errors import CheckpointError
-from ._flat_module import FlatParamModule
-from ._hf import transformers_config
-from ._layout import dtype_from_name, dtype_name
-from ._log import get_logger
-from ._reshard import element_ranges, weight_shards
+from ._load import load
+from ._optim import OptimizerView, merge_scalars
 from ._safetensors import FileRecord, SafetensorsWriter, write_safetensors
-from ._trainer import DistributedTrainer
+from ._target import CheckpointInfo, Target
 
 __all__ = ["CheckpointFuture", "CheckpointInfo", "Checkpointer", "async_save", "load", "save"]
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ._errors import CheckpointError, LayoutError
-from ._layout import FlatLayout, dtype_name
-from ._reshard import element_ranges, weight_shards
+from .._errors import CheckpointError, LayoutError
+from .._layout import FlatLayout, dtype_name
+from .._reshard import element_ranges, weight_shards
 from ._safetensors import FileRecord, SafetensorsReader, TensorEntry
 
 __all__ = [

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ._errors import CheckpointError
+from .._errors import CheckpointError
 
 __all__ = [
     "FileRecord",

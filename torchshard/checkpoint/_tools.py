@@ -20,7 +20,10 @@ from typing import Any
 
 import torch
 
-from ._ckpt_format import (
+from .._errors import CheckpointError, TorchShardError
+from .._layout import dtype_name
+from .._reshard import element_ranges, overlap, weight_shards
+from ._format import (
     FORMAT_VERSION,
     INDEX,
     METADATA,
@@ -38,9 +41,6 @@ from ._ckpt_format import (
     step_dir,
     tmp_dir,
 )
-from ._errors import CheckpointError, TorchShardError
-from ._layout import dtype_name
-from ._reshard import element_ranges, overlap, weight_shards
 from ._safetensors import FileRecord, SafetensorsReader, SafetensorsWriter, _bytes_of
 
 __all__ = [

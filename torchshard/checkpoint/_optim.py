@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from ._errors import CheckpointError
-from ._flat_module import FlatParamModule
-from ._layout import dtype_name
-from ._trainer import DistributedTrainer
+from .._errors import CheckpointError
+from .._flat_module import FlatParamModule
+from .._layout import dtype_name
+from .._trainer import DistributedTrainer
 
 __all__ = ["MASTER", "OptimizerView", "Segment", "group_problem", "restore_group_values"]
 

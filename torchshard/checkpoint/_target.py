@@ -9,9 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._errors import CheckpointError
-from ._flat_module import FlatParamModule
-from ._trainer import DistributedTrainer
+from .._errors import CheckpointError
+from .._flat_module import FlatParamModule
+from .._trainer import DistributedTrainer
 
 __all__ = ["CheckpointInfo", "Target"]
 
