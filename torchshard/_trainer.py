@@ -3,25 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
-import secrets
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ._buckets import Bucket, plan_buckets
-from ._dist import Coordinator, destroy_owned_group, exchange_bytes, init_distributed
-from ._errors import RankMismatchError, TorchShardError
+from ._dist import Coordinator, destroy_owned_group, init_distributed
+from ._errors import TorchShardError
 from ._flat_module import FlatParamModule
-from ._layout import FlatLayout
 from ._log import get_logger
 from ._parallel.mode import Context, Mode, Segment
+from ._parallel.reducer import CommStats, Reducer
 from ._parallel.replicated import Replicated
+from ._parallel.setup import assert_in_sync, bind_buffers, check_same_model, pick_device
 from ._parallel.sharded import ShardedOptimizer
 from ._reshard import Geometry
 
@@ -35,20 +31,6 @@ _REDUCE_OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
-
-
-@dataclass
-class CommStats:
-    """Counters of the gradient communication (for logs and tests)."""
-
-    steps: int = 0
-    """``average_gradients()`` calls so far."""
-    buckets: int = 0
-    """Buckets that carry gradients."""
-    launched_during_backward: int = 0
-    """Buckets of the last step whose all-reduce started inside backward."""
-    wait_seconds: float = 0.0
-    """Total time ``average_gradients()`` spent waiting for communication."""
 
 
 class DistributedTrainer:
@@ -121,17 +103,19 @@ class DistributedTrainer:
         if not 0 <= src < self.world_size:
             raise TorchShardError(f"src: expected a rank in [0, {self.world_size}), got {src}")
         self.module = fm
-        self.device = self._pick_device(fm, device)
+        self.device = pick_device(fm, device, self._group)
         self._mode = _pick_mode(shard, master_dtype)  # the one place modes are chosen
         self.shard = self._mode.sharded
         layout = fm.layout
         self._geometry = Geometry.of(layout, self.world_size, pad=self._mode.pads)
         self.padded_numel = self._geometry.total
-        self._bind(fm, init_fn)
+        bind_buffers(fm, self._mode, self.padded_numel, self.device, self.world_size, init_fn)
         self._flat = fm.flat_param
         self._closed = False
-        self._coordinator: Coordinator | None = None
-        self._check_same_model(src)
+        token = check_same_model(fm, self._mode, self._group, self.device, src)
+        self._coordinator = (
+            Coordinator(token, self.rank, self.world_size) if self.world_size > 1 else None
+        )
         unwritten = fm.unwritten_buffers()  # the same on every rank: the same model and init
         self.broadcast(src)
         fm._still_unwritten(unwritten)  # src's zeros are no value: check at the first forward
@@ -160,20 +144,9 @@ class DistributedTrainer:
             cuts=self._mode.bucket_cuts(self._ctx),
         )
         self._mode.setup(self._ctx, self._buckets)
-        self._slot_buckets: list[list[int]] = [[] for _ in layout.slots]
-        for b in self._buckets:
-            for i in b.slots:
-                self._slot_buckets[i].append(b.index)
         self._optimizer: torch.optim.Optimizer | None = None
-        self._averaged = False
-        self._hooks = [
-            self._params[i].register_post_accumulate_grad_hook(self._make_hook(i))
-            for i in self._trainable
-        ]
-        self._sync = True
-        self._works: list[dist.Work] = []
-        self._reset_step()
-        self.stats = CommStats(buckets=sum(b.trainable > 0 for b in self._buckets))
+        self._reducer = Reducer(self._ctx, self._mode, self._buckets)
+        self.stats = self._reducer.stats
         logger.info(
             "DistributedTrainer: rank %d of %d on %s, %d parameters in %d bucket(s)",
             self.rank,
@@ -194,127 +167,7 @@ class DistributedTrainer:
         heartbeats (``None`` in a world of one); the checkpoint layer coordinates through it."""
         return self._coordinator
 
-    # -- set-up ---------------------------------------------------------------------
-    def _pick_device(self, fm: FlatParamModule, device: torch.device | str | None) -> torch.device:
-        if device is not None:
-            return torch.device(device)
-        if fm.is_bound:
-            return fm.device
-        if torch.cuda.is_available() and dist.get_backend(self._group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def _bind(self, fm: FlatParamModule, init_fn: Callable[[torch.nn.Module], None] | None) -> None:
-        n = self.padded_numel
-        if fm.is_bound:
-            if fm.device != self.device:
-                fm.to(self.device)
-            flat, grad = fm.flat_param, fm.flat_grad
-            assert flat is not None
-            if flat.numel() >= n and (grad is None or grad.numel() >= n):
-                return
-            # Too small for the padded slices: move into buffers that are not.
-            big = flat if flat.numel() >= n else torch.zeros(n, dtype=fm.dtype, device=self.device)
-            fm.bind(big, torch.zeros(n, dtype=fm.dtype, device=self.device))
-            return
-        was_meta = any(p.is_meta for p in fm.module.parameters())
-        flat = torch.empty(n, dtype=fm.dtype, device=self.device)
-        flat[fm.numel :].zero_()  # padding: all-gathered and checkpointed, so defined
-        # A mode may keep a few elements just before the gradient (replicated: the
-        # used-parameter mask, which then rides in the all-reduce of the bucket at 0).
-        n_mask = sum(s.requires_grad for s in fm.layout.slots)
-        k = self._mode.mask_elements(n_mask, self.world_size, fm.layout.align)
-        store = torch.zeros(k + n, dtype=fm.dtype, device=self.device)
-        fm.bind(flat, store[k:])
-        self._mode.bind(store, k, n_mask)
-        if was_meta:
-            fm.init_weights(init_fn)
-
-    def _check_same_model(self, src: int) -> None:
-        """Compare the layout (and module buffers) of every rank; raise on all ranks if any differ."""
-        layout = self.module.layout
-        buffers = [[n, list(b.shape), str(b.dtype)] for n, b in self.module.module.named_buffers()]
-        mine = layout.fingerprint() + hashlib.sha256(json.dumps(buffers).encode()).hexdigest()[:32]
-        mine += self._mode.fingerprint()
-        # The same exchange agrees a token (rank src's) naming this trainer's keys in the
-        # store: unique per group and per run attempt, see Coordinator.
-        replies = exchange_bytes(
-            f"{mine} {secrets.token_hex(8)}".encode(), self._group, self.device
-        )
-        everyone = [r.decode().split(" ")[0] for r in replies]
-        bad = [r for r, fp in enumerate(everyone) if fp != everyone[src]]
-        if not bad:
-            if self.world_size > 1:
-                token = replies[src].decode().split(" ")[1]
-                self._coordinator = Coordinator(token, self.rank, self.world_size)
-            return
-        # Every rank reaches this point (they all saw the same fingerprints), so
-        # one more exchange, of the full descriptions, is safe.
-        desc = json.dumps({"layout": layout.to_dict(), "buffers": buffers}).encode()
-        descs = [json.loads(d) for d in exchange_bytes(desc, self._group, self.device)]
-        first = bad[0]
-        ref, other = (FlatLayout.from_dict(descs[r]["layout"]) for r in (src, first))
-        diff = ref.first_difference(other)
-        if diff is None:
-            diff = f"module buffers: {descs[src]['buffers']} vs {descs[first]['buffers']}"
-        raise RankMismatchError(
-            f"ranks {bad} built a different model than rank {src}: first difference (rank {src} "
-            f"vs rank {first}): {diff}; every rank must build the same model with the same "
-            "FlatParamModule arguments"
-        )
-
-    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
-            self._on_grad_ready(i)
-
-        return hook
-
     # -- gradient averaging --------------------------------------------------------------
-    def _reset_step(self) -> None:
-        self._mask_sent = False
-        self._ready = [False] * len(self.module.layout)
-        self._pending = [b.trainable for b in self._buckets]
-        self._next = 0
-        self._launched_in_backward = 0
-
-    def _on_grad_ready(self, i: int) -> None:
-        self._averaged = False
-        if not self._sync:
-            return
-        if self._ready[i]:
-            name = self.module.layout.slots[i].name
-            raise TorchShardError(
-                f"parameter {name!r} received a second gradient before average_gradients(); "
-                "call trainer.average_gradients() after every backward, or accumulate "
-                "inside `with trainer.no_sync():`"
-            )
-        self._ready[i] = True
-        for b in self._slot_buckets[i]:
-            self._pending[b] -= 1
-        # Launch in bucket order only: a collective issued out of order on one
-        # rank deadlocks (NCCL) or mixes up buckets (gloo).
-        while self._next < len(self._buckets) and self._pending[self._next] == 0:
-            self._launch(self._buckets[self._next], in_backward=True)
-            self._next += 1
-
-    def _launch(self, bucket: Bucket, *, in_backward: bool) -> None:
-        if bucket.trainable == 0:
-            return
-        grad = self.module.flat_grad
-        assert grad is not None
-        if not in_backward:
-            # Parameters without a gradient on this rank contribute zeros.
-            for i in bucket.slots:
-                if self.module.layout.slots[i].requires_grad and self._params[i].grad is None:
-                    s = self.module.layout.slots[i]
-                    grad[s.offset : s.end].zero_()
-        if self.world_size > 1:
-            view = grad[bucket.start : bucket.end]
-            if self._divide_first:
-                view.div_(self.world_size)
-            self._works.append(self._mode.launch(self._ctx, bucket, view))
-        self._launched_in_backward += in_backward
-
     def average_gradients(self) -> None:
         """Finish the gradient reduction: afterwards the flat gradient holds the mean over ranks.
 
@@ -326,37 +179,7 @@ class DistributedTrainer:
         ``fm.flat_grad`` is undefined); :meth:`step` calls this for you.
         """
         self._check_open()
-        while self._next < len(self._buckets):
-            self._launch(self._buckets[self._next], in_backward=False)
-            self._next += 1
-        used = [self._params[i].grad is not None for i in self._trainable]
-        if self.world_size > 1:
-            # Which parameters have a gradient anywhere: in a bucket already, or in one
-            # small all-reduce, always issued last so the order is the same on every rank.
-            mask = self._mode.sent_mask()
-            if mask is None:
-                mask = torch.tensor(used, dtype=torch.int32, device=self.device)
-                self._works.append(dist.all_reduce(mask, group=self._group, async_op=True))
-            t0 = time.perf_counter()
-            for work in self._works:
-                work.wait()
-            self.stats.wait_seconds += time.perf_counter() - t0
-            used = [bool(n) for n in mask.tolist()]
-        self._mode.finish(self._ctx)
-        grad = self.module.flat_grad
-        assert grad is not None
-        globally_used = dict(zip(self._trainable, used))
-        for i in self._trainable:
-            p = self._params[i]
-            if globally_used[i] and p.grad is None:
-                s = self.module.layout.slots[i]
-                p.grad = grad[s.offset : s.end].view(s.shape)
-        self._mode.attach_grads(self._ctx, globally_used)
-        self._works.clear()
-        self.stats.steps += 1
-        self.stats.launched_during_backward = self._launched_in_backward
-        self._averaged = True
-        self._reset_step()
+        self._reducer.finish()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -370,11 +193,11 @@ class DistributedTrainer:
             loss_fn(fm(micro_batches[-1])).backward()   # communicates everything
             trainer.average_gradients()
         """
-        previous, self._sync = self._sync, False
+        previous, self._reducer.sync = self._reducer.sync, False
         try:
             yield
         finally:
-            self._sync = previous
+            self._reducer.sync = previous
 
     # -- other collectives ------------------------------------------------------------------
     @torch.no_grad()
@@ -426,7 +249,7 @@ class DistributedTrainer:
         Averages the gradients first if that has not happened since backward.
         """
         self._check_open()
-        if not self._averaged:
+        if not self._reducer.averaged:
             self.average_gradients()
         grad = self._mode.local_grad(self._ctx)
         if grad is None:
@@ -529,11 +352,11 @@ class DistributedTrainer:
         self._check_open()
         if self._optimizer is None:
             raise TorchShardError("step(): build the optimizer with trainer.make_optimizer() first")
-        if not self._averaged:
+        if not self._reducer.averaged:
             self.average_gradients()
         self._optimizer.step()
         self._mode.after_step(self._ctx)
-        self._averaged = False
+        self._reducer.averaged = False
 
     def gather_slices(self) -> None:
         """Sharded mode: copy the master slice into the flat buffer and all-gather every
@@ -544,7 +367,7 @@ class DistributedTrainer:
         """Forget the gradients: the next backward writes into the flat gradient afresh."""
         self.module.zero_grad(set_to_none=set_to_none)
         self._mode.zero_grad()
-        self._averaged = False
+        self._reducer.averaged = False
 
     def refresh_master(self) -> None:
         """Sharded mixed precision: copy the rank's slice of the weights into the master copy
@@ -576,28 +399,7 @@ class DistributedTrainer:
         the first one that differs and the ranks that hold other values.
         """
         self._check_open()
-        names, sums = [], []
-        for slot, p in self.module.named_flat_views():
-            names.append(slot.name)
-            sums.append(_bit_checksum(p))
-        for name, b in self.module.module.named_buffers():
-            names.append(f"buffer {name}")
-            sums.append(_bit_checksum(b))
-        mine = torch.tensor(sums, dtype=torch.int64, device=self.device)
-        if self.world_size == 1:
-            return
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self._group)
-        table = torch.stack(everyone).cpu()
-        differs = (table != table[0]).any(dim=0).nonzero()
-        if len(differs):
-            k = int(differs[0])
-            odd = [r for r in range(self.world_size) if table[r, k] != table[0, k]]
-            raise RankMismatchError(
-                f"weights out of sync: {names[k]!r} differs between rank 0 and ranks {odd} "
-                f"({len(differs)} of {len(names)} tensors differ); call trainer.broadcast() "
-                "to resynchronize, and check that every rank runs the same optimizer steps"
-            )
+        assert_in_sync(self.module, self._group, self.device, self.world_size)
 
     # -- teardown ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -606,13 +408,9 @@ class DistributedTrainer:
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        if self._coordinator is not None:
-            self._coordinator.close()
-        for h in self._hooks:
-            h.remove()
-        for work in self._works:
-            work.wait()
-        self._works.clear()
+        for part in (getattr(self, "_coordinator", None), getattr(self, "_reducer", None)):
+            if part is not None:  # None too when construction failed half-way
+                part.close()
         destroy_owned_group()
 
     def __enter__(self) -> DistributedTrainer:
@@ -629,19 +427,6 @@ class DistributedTrainer:
                 "the FlatParamModule was bound to another buffer after the trainer was created "
                 "(fm.bind(), fm.to(), ...); create the trainer after moving the model"
             )
-
-
-def _bit_checksum(t: torch.Tensor, chunk: int = 1 << 20) -> int:
-    """A position-weighted sum of the raw bits of ``t`` (equal values give equal sums)."""
-    flat = t.detach().reshape(-1)
-    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-    bits = flat.view(ints) if flat.dtype != torch.bool else flat.to(torch.int8)
-    total = 0
-    for start in range(0, bits.numel(), chunk):
-        part = bits[start : start + chunk].to(torch.int64)
-        weights = torch.arange(start + 1, start + 1 + part.numel(), device=part.device) % 65521
-        total = (total + int((part * (weights + 1)).sum())) % (1 << 62)
-    return total
 
 
 def _pick_mode(shard: bool, master_dtype: torch.dtype) -> Mode:

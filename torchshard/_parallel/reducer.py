@@ -1,0 +1,146 @@
+"""The gradient reducer: bucket launches during backward, in the same order on every rank.
+
+Mode-free: each bucket's collective is the mode's (:meth:`Mode.launch`); the
+reducer decides *when*. A bucket starts as soon as every parameter in it has its
+gradient, but only after every bucket before it has started: a collective issued
+out of order on one rank deadlocks (NCCL) or mixes up buckets (gloo).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .._buckets import Bucket
+from .._errors import TorchShardError
+from .mode import Context, Mode
+
+__all__ = ["CommStats", "Reducer"]
+
+
+@dataclass
+class CommStats:
+    """Counters of the gradient communication (for logs and tests)."""
+
+    steps: int = 0
+    """``average_gradients()`` calls so far."""
+    buckets: int = 0
+    """Buckets that carry gradients."""
+    launched_during_backward: int = 0
+    """Buckets of the last step whose all-reduce started inside backward."""
+    wait_seconds: float = 0.0
+    """Total time ``average_gradients()`` spent waiting for communication."""
+
+
+class Reducer:
+    """Hooks on every trainable parameter; launches buckets in order; finishes the mean."""
+
+    def __init__(self, ctx: Context, mode: Mode, buckets: tuple[Bucket, ...]) -> None:
+        self.ctx, self.mode, self.buckets = ctx, mode, buckets
+        self.slot_buckets: list[list[int]] = [[] for _ in ctx.fm.layout.slots]
+        for b in buckets:
+            for i in b.slots:
+                self.slot_buckets[i].append(b.index)
+        self.sync = True
+        """False inside ``no_sync()``: gradients accumulate locally."""
+        self.averaged = False
+        """Whether the gradients are the mean since the last backward."""
+        self.works: list[dist.Work] = []
+        self.stats = CommStats(buckets=sum(b.trainable > 0 for b in buckets))
+        self._reset_step()
+        self.hooks = [
+            ctx.params[i].register_post_accumulate_grad_hook(self._make_hook(i))
+            for i in ctx.trainable
+        ]
+
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            self._on_grad_ready(i)
+
+        return hook
+
+    def _reset_step(self) -> None:
+        self.ready = [False] * len(self.ctx.fm.layout)
+        self.pending = [b.trainable for b in self.buckets]
+        self.next = 0
+        self.launched_in_backward = 0
+
+    def _on_grad_ready(self, i: int) -> None:
+        self.averaged = False
+        if not self.sync:
+            return
+        if self.ready[i]:
+            name = self.ctx.fm.layout.slots[i].name
+            raise TorchShardError(
+                f"parameter {name!r} received a second gradient before average_gradients(); "
+                "call trainer.average_gradients() after every backward, or accumulate "
+                "inside `with trainer.no_sync():`"
+            )
+        self.ready[i] = True
+        for b in self.slot_buckets[i]:
+            self.pending[b] -= 1
+        while self.next < len(self.buckets) and self.pending[self.next] == 0:
+            self._launch(self.buckets[self.next], in_backward=True)
+            self.next += 1
+
+    def _launch(self, bucket: Bucket, *, in_backward: bool) -> None:
+        if bucket.trainable == 0:
+            return
+        ctx = self.ctx
+        grad = ctx.grad
+        if not in_backward:
+            # Parameters without a gradient on this rank contribute zeros.
+            for i in bucket.slots:
+                s = ctx.fm.layout.slots[i]
+                if s.requires_grad and ctx.params[i].grad is None:
+                    grad[s.offset : s.end].zero_()
+        if ctx.world_size > 1:
+            view = grad[bucket.start : bucket.end]
+            if ctx.divide_first:
+                view.div_(ctx.world_size)
+            self.works.append(self.mode.launch(ctx, bucket, view))
+        self.launched_in_backward += in_backward
+
+    def finish(self) -> None:
+        """Launch what backward did not, wait for everything, make the gradient the mean."""
+        ctx = self.ctx
+        while self.next < len(self.buckets):
+            self._launch(self.buckets[self.next], in_backward=False)
+            self.next += 1
+        used = [ctx.params[i].grad is not None for i in ctx.trainable]
+        if ctx.world_size > 1:
+            # Which parameters have a gradient anywhere: in a bucket already, or in one
+            # small all-reduce, always issued last so the order is the same on every rank.
+            mask = self.mode.sent_mask()
+            if mask is None:
+                mask = torch.tensor(used, dtype=torch.int32, device=ctx.device)
+                self.works.append(dist.all_reduce(mask, group=ctx.group, async_op=True))
+            t0 = time.perf_counter()
+            for work in self.works:
+                work.wait()
+            self.stats.wait_seconds += time.perf_counter() - t0
+            used = [bool(n) for n in mask.tolist()]
+        self.mode.finish(ctx)
+        globally_used = dict(zip(ctx.trainable, used))
+        for i in ctx.trainable:
+            p = ctx.params[i]
+            if globally_used[i] and p.grad is None:
+                s = ctx.fm.layout.slots[i]
+                p.grad = ctx.grad[s.offset : s.end].view(s.shape)
+        self.mode.attach_grads(ctx, globally_used)
+        self.works.clear()
+        self.stats.steps += 1
+        self.stats.launched_during_backward = self.launched_in_backward
+        self.averaged = True
+        self._reset_step()
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        for work in self.works:
+            work.wait()
+        self.works.clear()
