@@ -39,7 +39,7 @@ from test_checkpoint_integrity import reseal
 import torchshard
 from torchshard import TorchShardError, checkpoint
 from torchshard.checkpoint import CheckpointError
-from torchshard.checkpoint._format import OPTIMIZER_RULES
+from torchshard.checkpoint._rules import OPTIMIZER_RULES, Invalid
 
 CFG = GPTConfig.preset("tiny")  # 28 parameter slots, 7872 elements: 34 KB of weights
 MODEL = "model-00001-of-00001.safetensors"
@@ -654,7 +654,7 @@ def test_the_rules_refuse_what_torch_refuses(name):
             cls([torch.nn.Parameter(torch.ones(2))], **{key: bad})
         with pytest.raises(Exception, match=re.escape(f"group.{key}")) as info:
             rules.hyper[key](list(bad) if isinstance(bad, tuple) else bad, f"group.{key}")
-        assert type(info.value).__name__ == "_Invalid"
+        assert type(info.value) is Invalid
         good = cls([torch.nn.Parameter(torch.ones(2))]).param_groups[0][key]
         rules.hyper[key](list(good) if isinstance(good, tuple) else good, f"group.{key}")
     assert tried >= 3

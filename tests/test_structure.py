@@ -35,7 +35,15 @@ ALLOWED = {
     "_cli": {"__init__", "_errors", "_estimate", "_layout", "checkpoint._tools"},
     # The checkpoint wing, keyed by dotted path under torchshard.
     "checkpoint._safetensors": {"_errors"},
-    "checkpoint._format": {"_errors", "_layout", "_reshard", "checkpoint._safetensors"},
+    "checkpoint._rules": set(),
+    "checkpoint._format": {"_errors", "_layout", "_reshard", "checkpoint._rules"},
+    "checkpoint._metadata": {
+        "_errors",
+        "_layout",
+        "checkpoint._format",
+        "checkpoint._rules",
+        "checkpoint._safetensors",
+    },
     "checkpoint._optim": {"_errors", "_flat_module", "_layout", "_trainer"},
     "checkpoint._target": {"_errors", "_flat_module", "_trainer"},
     "checkpoint._load": {
@@ -46,7 +54,9 @@ ALLOWED = {
         "_reshard",
         "_trainer",
         "checkpoint._format",
+        "checkpoint._metadata",
         "checkpoint._optim",
+        "checkpoint._rules",
         "checkpoint._target",
     },
     "checkpoint._tools": {
@@ -54,6 +64,7 @@ ALLOWED = {
         "_layout",
         "_reshard",
         "checkpoint._format",
+        "checkpoint._metadata",
         "checkpoint._safetensors",
     },
 }

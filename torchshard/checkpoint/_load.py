@@ -22,8 +22,10 @@ from .._flat_module import FlatParamModule
 from .._layout import dtype_from_name
 from .._reshard import element_ranges, overlap
 from .._trainer import DistributedTrainer
-from ._format import METADATA, OPTIMIZER_RULES, Metadata, Readers, read_metadata, resolve
+from ._format import METADATA, resolve
+from ._metadata import Metadata, Readers, read_metadata
 from ._optim import MASTER, OptimizerView, group_problem, restore_group_values
+from ._rules import OPTIMIZER_RULES
 from ._target import CheckpointInfo, Target
 
 __all__ = ["load"]

@@ -27,20 +27,17 @@ from ._format import (
     FORMAT_VERSION,
     INDEX,
     METADATA,
-    Metadata,
-    OptimMeta,
-    Readers,
     commit,
     complete_checkpoints,
     fsync_dir,
     index_json,
     model_file,
     optim_file,
-    read_metadata,
     resolve,
     step_dir,
     tmp_dir,
 )
+from ._metadata import Metadata, OptimMeta, Readers, read_metadata
 from ._safetensors import FileRecord, SafetensorsReader, SafetensorsWriter, _bytes_of
 
 __all__ = [
