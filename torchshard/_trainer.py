@@ -145,6 +145,7 @@ class DistributedTrainer:
         )
         self._mode.setup(self._ctx, self._buckets)
         self._optimizer: torch.optim.Optimizer | None = None
+        self.group_names: list[list[str]] = []  # per param group of make_optimizer's optimizer
         self._reducer = Reducer(self._ctx, self._mode, self._buckets)
         self.stats = self._reducer.stats
         logger.info(

@@ -1,0 +1,57 @@
+"""What the checkpoint layer reads of a trainer: a protocol, never the trainer class.
+
+``DistributedTrainer`` satisfies it; a bare ``FlatParamModule`` is adapted to it by the
+checkpoint layer as a world of one (DCP reads ``Stateful`` the same way).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from .._dist import Coordinator
+from .._flat_module import FlatParamModule
+from .mode import Segment
+
+__all__ = ["TrainState"]
+
+
+@runtime_checkable
+class TrainState(Protocol):
+    """A bound flat module and the group of ranks that hold it, as save and load need them."""
+
+    module: FlatParamModule
+    rank: int
+    world_size: int
+    device: torch.device
+    shard: bool
+    """The optimizer built by ``make_optimizer`` holds this rank's slice only."""
+    group_names: list[list[str]]
+    """Parameter names per param group of that optimizer, on every rank alike."""
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None: ...
+
+    @property
+    def coordinator(self) -> Coordinator | None:
+        """Store keys private to the group and run attempt, and heartbeats (world > 1)."""
+        ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer ``make_optimizer`` built, if any."""
+        ...
+
+    def optimizer_segments(self) -> list[Segment]:
+        """``(slot, start, end, tensor)`` for each tensor that optimizer updates."""
+        ...
+
+    def refresh_master(self) -> None:
+        """The weights were loaded: refresh the copies derived from them."""
+        ...
+
+    def gather_slices(self) -> None:
+        """Each rank loaded its slice: make every rank's weights whole."""
+        ...
