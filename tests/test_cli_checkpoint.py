@@ -29,7 +29,8 @@ import torchshard
 from torchshard import checkpoint
 from torchshard._cli import main
 from torchshard.checkpoint import _tools
-from torchshard.checkpoint._tools import Progress, consolidate, inspect_checkpoint, reshard
+from torchshard.checkpoint._inspect import inspect_checkpoint
+from torchshard.checkpoint._tools import Progress, consolidate, reshard
 
 INDEX = "model.safetensors.index.json"
 

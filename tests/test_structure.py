@@ -32,7 +32,14 @@ ALLOWED = {
     "_reshard": {"_layout"},
     "_memory": {"_layout", "_reshard"},
     "_estimate": {"_errors", "_flat_module", "_layout", "_log", "_memory"},
-    "_cli": {"__init__", "_errors", "_estimate", "_layout", "checkpoint._tools"},
+    "_cli": {
+        "__init__",
+        "_errors",
+        "_estimate",
+        "_layout",
+        "checkpoint._inspect",
+        "checkpoint._tools",
+    },
     # The checkpoint wing, keyed by dotted path under torchshard.
     "checkpoint._safetensors": {"_errors"},
     "checkpoint._rules": set(),
@@ -61,11 +68,18 @@ ALLOWED = {
     },
     "checkpoint._tools": {
         "_errors",
-        "_layout",
         "_reshard",
         "checkpoint._format",
         "checkpoint._metadata",
         "checkpoint._safetensors",
+    },
+    "checkpoint._inspect": {
+        "_errors",
+        "_layout",
+        "checkpoint._format",
+        "checkpoint._metadata",
+        "checkpoint._safetensors",
+        "checkpoint._tools",
     },
 }
 # save: load's world, load itself, and a transformers model's config

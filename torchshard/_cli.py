@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 import torch
 
 from . import __version__
-from ._errors import TorchShardError
+from ._errors import ArgumentError, TorchShardError
 from ._estimate import (
     DTYPES,
     MAX_WORLD_SIZE,
@@ -29,7 +29,8 @@ from ._estimate import (
     parse_override,
 )
 from ._layout import FlatLayout, dtype_name
-from .checkpoint._tools import ArgumentError, Progress, consolidate, inspect_checkpoint, reshard
+from .checkpoint._inspect import inspect_checkpoint
+from .checkpoint._tools import Progress, consolidate, reshard
 
 
 def _load_factory(spec: str) -> torch.nn.Module:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentError",
     "BindError",
     "CheckpointError",
     "DataError",
@@ -41,3 +42,7 @@ class CheckpointError(TorchShardError):
 
 class DataError(TorchShardError, ValueError):
     """A data sampler got a bad argument or saved state, or cannot know its position exactly."""
+
+
+class ArgumentError(TorchShardError, ValueError):
+    """A bad argument to a checkpoint tool: a missing path, a bad world size or output."""

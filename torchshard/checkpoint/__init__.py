@@ -6,9 +6,10 @@ See ``docs/checkpoint-format.md`` for the format.
 """
 
 from .._errors import CheckpointError
+from ._inspect import inspect_checkpoint
 from ._save import Checkpointer, CheckpointFuture, async_save, load, save
 from ._target import CheckpointInfo
-from ._tools import consolidate, inspect_checkpoint, reshard
+from ._tools import consolidate, reshard
 
 __all__ = [
     "CheckpointError",

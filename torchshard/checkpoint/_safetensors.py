@@ -28,6 +28,7 @@ __all__ = [
     "SafetensorsReader",
     "SafetensorsWriter",
     "TensorEntry",
+    "bytes_of",
     "write_safetensors",
 ]
 
@@ -61,7 +62,7 @@ def _is_hex(text: object, digits: int | None = None) -> bool:
     return all(c in "0123456789abcdef" for c in text)
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def bytes_of(t: torch.Tensor) -> memoryview:
     """A byte view of a contiguous CPU tensor's memory (no copy, no numpy)."""
     n = t.numel() * t.element_size()
     if n == 0:
@@ -202,7 +203,7 @@ class SafetensorsWriter:
         """Append a contiguous CPU tensor's bytes, in large blocks."""
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError("stage tensors to contiguous host memory before writing")
-        data = _bytes_of(t)
+        data = bytes_of(t)
         for start in range(0, len(data), _WRITE_BLOCK):
             self.write(data[start : start + _WRITE_BLOCK])
 
@@ -389,7 +390,7 @@ class SafetensorsReader:
                 f"{self.path}: tensor {name!r} ({e.dtype}, {(e.end - e.begin) // item} elements) "
                 f"cannot fill elements [{start}, {stop}) of a {dst.dtype} buffer of {dst.numel()}"
             )
-        self._read_into(self.data_start + e.begin + start * item, _bytes_of(dst))
+        self._read_into(self.data_start + e.begin + start * item, bytes_of(dst))
 
     def _read_into(self, offset: int, out: memoryview) -> None:
         if self.record is None:
