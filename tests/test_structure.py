@@ -40,10 +40,12 @@ ALLOWED = {
         "checkpoint._inspect",
         "checkpoint._tools",
     },
-    # The checkpoint wing, keyed by dotted path under torchshard.
-    "checkpoint._safetensors": {"_errors"},
+    # The checkpoint wing, keyed by dotted path under torchshard. Only _target knows the
+    # trainer; only _plan the shared range arithmetic.
     "checkpoint._rules": set(),
-    "checkpoint._format": {"_errors", "_layout", "_reshard", "checkpoint._rules"},
+    "checkpoint._safetensors": {"_errors"},
+    "checkpoint._plan": {"_layout", "_reshard"},
+    "checkpoint._format": {"_errors", "_layout", "_log", "checkpoint._plan", "checkpoint._rules"},
     "checkpoint._metadata": {
         "_errors",
         "_layout",
@@ -51,26 +53,43 @@ ALLOWED = {
         "checkpoint._rules",
         "checkpoint._safetensors",
     },
-    "checkpoint._optim": {"_errors", "_flat_module", "_layout", "_trainer"},
-    "checkpoint._target": {"_errors", "_flat_module", "_trainer"},
+    "checkpoint._target": {"_dist", "_errors", "_flat_module", "_trainer"},
+    "checkpoint._optim": {"_errors", "_layout", "checkpoint._target"},
     "checkpoint._load": {
-        "_dist",
         "_errors",
-        "_flat_module",
         "_layout",
-        "_reshard",
-        "_trainer",
         "checkpoint._format",
         "checkpoint._metadata",
         "checkpoint._optim",
+        "checkpoint._plan",
         "checkpoint._rules",
+        "checkpoint._target",
+    },
+    "checkpoint._rendezvous": {"_dist", "_errors", "_log", "checkpoint._target"},
+    # save: the writer, staging and commit; it never imports load (the manager is above both)
+    "checkpoint._save": {
+        "_errors",
+        "_hf",
+        "_log",
+        "checkpoint._format",
+        "checkpoint._optim",
+        "checkpoint._plan",
+        "checkpoint._rendezvous",
+        "checkpoint._safetensors",
+        "checkpoint._target",
+    },
+    "checkpoint._manager": {
+        "_errors",
+        "checkpoint._format",
+        "checkpoint._load",
+        "checkpoint._save",
         "checkpoint._target",
     },
     "checkpoint._tools": {
         "_errors",
-        "_reshard",
         "checkpoint._format",
         "checkpoint._metadata",
+        "checkpoint._plan",
         "checkpoint._safetensors",
     },
     "checkpoint._inspect": {
@@ -81,13 +100,6 @@ ALLOWED = {
         "checkpoint._safetensors",
         "checkpoint._tools",
     },
-}
-# save: load's world, load itself, and a transformers model's config
-ALLOWED["checkpoint._save"] = ALLOWED["checkpoint._load"] | {
-    "_hf",
-    "_log",
-    "checkpoint._load",
-    "checkpoint._safetensors",
 }
 # The trainer side never reaches into checkpointing.
 CHECKPOINT = {"checkpoint"} | {m for m in ALLOWED if m.startswith("checkpoint.")}

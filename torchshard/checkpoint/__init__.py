@@ -7,7 +7,9 @@ See ``docs/checkpoint-format.md`` for the format.
 
 from .._errors import CheckpointError
 from ._inspect import inspect_checkpoint
-from ._save import Checkpointer, CheckpointFuture, async_save, load, save
+from ._load import load
+from ._manager import Checkpointer
+from ._save import CheckpointFuture, async_save, save
 from ._target import CheckpointInfo
 from ._tools import consolidate, reshard
 

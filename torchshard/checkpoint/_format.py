@@ -1,6 +1,7 @@
 """The on-disk format of a checkpoint: directory and file names, ``metadata.json`` built
-(:func:`build_metadata`) and sealed by its own SHA-256 (:func:`seal`), and the commit (no I/O
-of tensors). Reading it back is ``_metadata``'s job."""
+(:func:`build_metadata`) and sealed by its own SHA-256 (:func:`seal`), and a directory's life:
+prepared under a temporary name, committed by a rename, rotated out (no I/O of tensors).
+Reading it back is ``_metadata``'s job."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 from .._errors import CheckpointError
 from .._layout import FlatLayout
-from .._reshard import element_ranges, weight_shards
+from .._log import get_logger
+from ._plan import state_ranges, weight_runs
 from ._rules import ADVICE
 
 __all__ = [
@@ -28,7 +31,9 @@ __all__ = [
     "index_json",
     "model_file",
     "optim_file",
+    "prepare",
     "resolve",
+    "rotate",
     "seal",
     "step_dir",
     "step_of",
@@ -42,6 +47,8 @@ METADATA = "metadata.json"
 INDEX = "model.safetensors.index.json"
 MASTER = "master"  # the flat state key of fp32 master weights (_optim.MASTER)
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
+
+logger = get_logger(__name__)
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -178,6 +185,25 @@ def commit(
     fsync_dir(final.parent)
 
 
+def prepare(root: Path, tmp: Path, final: Path) -> None:
+    if final.exists():
+        raise CheckpointError(
+            f"{final}: a checkpoint for this step already exists; save under a new step or delete it"
+        )
+    root.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():  # left by a save that crashed
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+
+
+def rotate(root: Path, keep_last: int, keep: Path) -> None:
+    done = complete_checkpoints(root)
+    for _, path in done[: max(0, len(done) - keep_last)]:
+        if path != keep:
+            shutil.rmtree(path, ignore_errors=True)
+            logger.info("checkpoint rotated out: %s", path)
+
+
 def build_metadata(
     layout: FlatLayout,
     world_size: int,
@@ -192,7 +218,7 @@ def build_metadata(
     ``optimizer`` holds ``class``, ``param_groups``, ``flat_state``,
     ``scalar_state`` and ``stateful``; the file list is derived here.
     """
-    shards = weight_shards(layout, world_size)
+    shards = weight_runs(layout, world_size)
     meta: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "step": step,
@@ -211,8 +237,7 @@ def build_metadata(
         "model_config": model_config,
     }
     if optimizer is not None:
-        align = layout.align_bytes // layout.torch_dtype.itemsize
-        ranges = element_ranges(layout.numel, world_size, align)
+        ranges = state_ranges(layout, world_size)
         files = [
             {"file": optim_file(r, world_size), "range": [a, b]}
             for r, (a, b) in enumerate(ranges)

@@ -16,17 +16,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._dist import exchange_bytes
 from .._errors import CheckpointError
-from .._flat_module import FlatParamModule
 from .._layout import dtype_from_name
-from .._reshard import element_ranges, overlap
-from .._trainer import DistributedTrainer
 from ._format import METADATA, resolve
 from ._metadata import Metadata, Readers, read_metadata
 from ._optim import MASTER, OptimizerView, group_problem, restore_group_values
+from ._plan import overlap, state_ranges
 from ._rules import OPTIMIZER_RULES
-from ._target import CheckpointInfo, Target
+from ._target import Checkpointable, CheckpointInfo, Target
 
 __all__ = ["load"]
 
@@ -52,7 +49,7 @@ def _check_compatible(meta: Metadata, t: Target, optimizer: torch.optim.Optimize
     cls = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     if saved.cls != cls:
         raise CheckpointError(f"{meta.path}: optimizer: checkpoint has {saved.cls}, got {cls}")
-    view = OptimizerView.of(optimizer, t.fm, t.trainer)
+    view = OptimizerView.of(optimizer, t)
     groups = saved.param_groups
     if len(groups) != len(optimizer.param_groups):
         raise CheckpointError(
@@ -80,8 +77,7 @@ def _read_share(
 ) -> dict[str, Any]:
     """Read this rank's element range of weights and optimizer state, and the buffers, to host."""
     layout = t.fm.layout
-    align = layout.align_bytes // layout.torch_dtype.itemsize
-    s, e = element_ranges(layout.numel, t.world, align)[t.rank]
+    s, e = state_ranges(layout, t.world)[t.rank]
     pin = t.device.type == "cuda"
     weights = torch.zeros(e - s, dtype=layout.torch_dtype, pin_memory=pin)
     for shard in meta.weights:
@@ -104,7 +100,7 @@ def _read_share(
     state = {}
     if optimizer is not None:
         assert meta.optim is not None
-        takes_master = OptimizerView.of(optimizer, t.fm, t.trainer).has_master
+        takes_master = OptimizerView.of(optimizer, t).has_master
         # On CPU a replicated optimizer's state is read straight into full-size tensors:
         # they only become live in load_state_dict, after every rank has succeeded.
         full = t.device.type == "cpu" and optimizer is not t.sharded_optimizer
@@ -132,7 +128,7 @@ def _agree(t: Target, error: str | None, path: Path) -> None:
             raise CheckpointError(error)
         return
     mine = f"{path}\0{error or ''}".encode()
-    replies = [r.decode().split("\0", 1) for r in exchange_bytes(mine, t.group, t.device)]
+    replies = [r.decode().split("\0", 1) for r in t.exchange(mine)]
     for r, (_, err) in enumerate(replies):
         if err:
             raise CheckpointError(err if r == t.rank else f"rank {r} failed to load: {err}")
@@ -146,8 +142,7 @@ def _apply(
     meta: Metadata, t: Target, share: dict[str, Any], optimizer: torch.optim.Optimizer | None
 ) -> None:
     layout = t.fm.layout
-    align = layout.align_bytes // layout.torch_dtype.itemsize
-    ranges = element_ranges(layout.numel, t.world, align)
+    ranges = state_ranges(layout, t.world)
     s, e = share["range"]
     flat = t.fm.flat_param
     assert flat is not None
@@ -161,15 +156,14 @@ def _apply(
                     dist.broadcast(full[a:b], t.global_rank(q), group=t.group)
 
     fill(flat, share["weights"])
-    if t.trainer is not None:
-        t.trainer.refresh_master()  # a saved master slice, if any, overrides it below
+    t.refresh_master()  # a saved master slice, if any, overrides it below
     live = t.buffers()
     for name, value in share["buffers"].items():
         live[name].copy_(value)
     if optimizer is None:
         return
     assert meta.optim is not None
-    view = OptimizerView.of(optimizer, t.fm, t.trainer)
+    view = OptimizerView.of(optimizer, t)
     # The sharded trainer's optimizer holds this rank's range only: no exchange needed.
     own = optimizer is t.sharded_optimizer
     lo = s if own else 0
@@ -219,7 +213,7 @@ def _apply(
 
 def load(
     path_or_root: str | os.PathLike[str],
-    trainer: DistributedTrainer | FlatParamModule,
+    trainer: Checkpointable,
     *,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> CheckpointInfo:

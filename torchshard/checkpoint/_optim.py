@@ -18,9 +18,8 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError
-from .._flat_module import FlatParamModule
-from .._layout import dtype_name
-from .._trainer import DistributedTrainer
+from .._layout import dtype_from_name, dtype_name
+from ._target import Target
 
 __all__ = ["MASTER", "OptimizerView", "Segment", "group_problem", "restore_group_values"]
 
@@ -44,17 +43,14 @@ class OptimizerView:
     has_master: bool  # the segments are master weights in another dtype than the buffer
 
     @classmethod
-    def of(
-        cls,
-        optimizer: torch.optim.Optimizer,
-        fm: FlatParamModule,
-        trainer: DistributedTrainer | None = None,
-    ) -> OptimizerView:
+    def of(cls, optimizer: torch.optim.Optimizer, t: Target) -> OptimizerView:
+        fm = t.fm
         layout = fm.layout
         by_id: dict[int, Segment] = {}
-        if trainer is not None and trainer.optimizer is optimizer:
-            for i, a, b, t in trainer.optimizer_segments():
-                by_id[id(t)] = Segment(i, a, b, t)
+        own = t.trainer_segments(optimizer)
+        if own is not None:
+            for i, a, b, tensor in own[0]:
+                by_id[id(tensor)] = Segment(i, a, b, tensor)
         else:
             for slot, p in fm.named_flat_views():
                 i = layout.slots.index(slot)
@@ -75,8 +71,8 @@ class OptimizerView:
                 segments.append(seg)
                 group_names.append(layout.slots[seg.slot].name)
             names.append(group_names)
-        if trainer is not None and trainer.optimizer is optimizer:
-            names = [list(n) for n in trainer.group_names]  # every rank's, not only this slice's
+        if own is not None:
+            names = own[1]  # every rank's, not only this slice's
         flat_keys: dict[str, torch.dtype] = {}
         for seg in segments:
             for key, v in optimizer.state.get(seg.tensor, {}).items():
@@ -141,6 +137,35 @@ class OptimizerView:
             entry["params"] = names
             out.append(entry)
         return out
+
+    def agree(self, t: Target) -> tuple[dict[str, dict[str, Any]], str]:
+        """Scalar state per slot, and which slots have state (``"0"``/``"1"`` each), of every
+        rank. The sharded trainer's optimizer knows its own slice only: Adam's ``step``, and
+        which state tensors exist at all (a rank whose slice no step touched has none), so
+        there the ranks exchange theirs and ``flat_keys`` grows to every rank's; every rank
+        calls it then."""
+        mine = self.scalars(len(t.fm.layout))
+        if self.optimizer is not t.sharded_optimizer or t.world == 1:
+            return merge_scalars([mine])
+        flat = {k: dtype_name(d) for k, d in self.flat_keys.items()}
+        payload = json.dumps({"scalars": mine, "flat": flat}).encode()
+        replies = [json.loads(r) for r in t.exchange(payload)]
+        for r in replies:
+            for k, d in r["flat"].items():
+                self.flat_keys.setdefault(k, dtype_from_name(d))
+        return merge_scalars([r["scalars"] for r in replies])
+
+    def metadata(self, scalars: tuple[dict[str, dict[str, Any]], str]) -> dict[str, Any]:
+        """The optimizer section of ``metadata.json`` (without its files), given
+        :meth:`agree`'s scalars."""
+        cls = type(self.optimizer)
+        return {
+            "class": f"{cls.__module__}.{cls.__qualname__}",
+            "param_groups": self.groups_json(),
+            "flat_state": {k: dtype_name(d) for k, d in self.flat_keys.items()},
+            "scalar_state": scalars[0],
+            "stateful": scalars[1],
+        }
 
 
 def merge_scalars(parts: list[tuple[dict[str, dict[str, Any]], list[bool]]]) -> tuple[dict, str]:

@@ -1,4 +1,8 @@
-"""What a checkpoint save or load acts on, and what a load returns."""
+"""What a checkpoint save or load acts on, and what a load returns.
+
+The one module of the checkpoint layer that knows the trainer class: the
+others reach the trainer only through :class:`Target`.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +13,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._dist import exchange_bytes
 from .._errors import CheckpointError
 from .._flat_module import FlatParamModule
 from .._trainer import DistributedTrainer
 
-__all__ = ["CheckpointInfo", "Target"]
+__all__ = ["CheckpointInfo", "Checkpointable", "Target"]
+
+Checkpointable = DistributedTrainer | FlatParamModule
+"""What save and load take: a trainer, or a bound ``FlatParamModule`` (a world of one)."""
 
 
 @dataclass(frozen=True)
@@ -30,7 +38,7 @@ class CheckpointInfo:
 class Target:
     """What a save or load acts on: a flat module, and the group of ranks holding it."""
 
-    def __init__(self, obj: DistributedTrainer | FlatParamModule) -> None:
+    def __init__(self, obj: Checkpointable) -> None:
         self.trainer = obj if isinstance(obj, DistributedTrainer) else None
         if isinstance(obj, DistributedTrainer):
             self.fm, self.group = obj.module, obj.process_group
@@ -55,8 +63,28 @@ class Target:
             return self.trainer.optimizer
         return None
 
+    def trainer_segments(
+        self, optimizer: torch.optim.Optimizer
+    ) -> tuple[list[tuple[int, int, int, torch.Tensor]], list[list[str]]] | None:
+        """For the optimizer the trainer built: ``(slot, start, end, tensor)`` of each tensor
+        it updates, and every rank's parameter names per param group. ``None`` for any other
+        optimizer (it holds whole parameters of the module)."""
+        if self.trainer is None or self.trainer.optimizer is not optimizer:
+            return None
+        segments = list(self.trainer.optimizer_segments())
+        return segments, [list(n) for n in self.trainer.group_names]
+
+    def refresh_master(self) -> None:
+        """The weights were loaded: the trainer refreshes what it derives from them."""
+        if self.trainer is not None:
+            self.trainer.refresh_master()
+
     def global_rank(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def exchange(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, in rank order (a collective: every rank calls it)."""
+        return exchange_bytes(data, self.group, self.device)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Persistent module buffers by state-dict name (parameters excluded)."""

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from .._errors import ArgumentError
-from .._reshard import element_ranges, overlap, weight_shards
 from ._format import (
     FORMAT_VERSION,
     commit,
@@ -33,6 +32,7 @@ from ._format import (
     tmp_dir,
 )
 from ._metadata import Metadata, OptimMeta, Readers, read_metadata
+from ._plan import overlap, state_ranges, weight_runs
 from ._safetensors import FileRecord, SafetensorsWriter, bytes_of
 
 __all__ = ["Consolidated", "Progress", "consolidate", "existing", "reshard"]
@@ -306,9 +306,8 @@ def reshard(
     progress = progress or Progress()
     readers = Readers(meta)
     src_file = {i: w["file"] for w in meta.weights for i in range(*w["slots"])}
-    shards = weight_shards(layout, world)
-    align = layout.align_bytes // layout.torch_dtype.itemsize
-    ranges = element_ranges(layout.numel, world, align)
+    shards = weight_runs(layout, world)
+    ranges = state_ranges(layout, world)
     plan: list[tuple[str, list[_OutTensor], dict[str, str] | None]] = []
     try:
         buffers = []

@@ -1,0 +1,110 @@
+"""``Checkpointer``: saves under one root and loads from it; a peer above ``_save`` and
+``_load``, so that neither imports the other."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._errors import CheckpointError
+from ._format import complete_checkpoints
+from ._load import load
+from ._save import CheckpointFuture, Writer
+from ._target import Checkpointable, CheckpointInfo
+
+__all__ = ["Checkpointer"]
+
+
+class Checkpointer:
+    """Saves under one root, one save in flight, keeping the ``keep_last`` newest checkpoints.
+
+    Old checkpoints are deleted only after a new one is committed, so the
+    newest complete checkpoint always survives. Ranks coordinate a save through
+    the process group's store, under keys private to the trainer's group and run
+    attempt (a worker restarted by ``torchrun --max-restarts`` never reads the
+    keys of the attempt before). A rank that waits for another whose heartbeat
+    stopped for ``heartbeat_timeout`` seconds (its process died) fails the save
+    with a :class:`CheckpointError` naming it; ``timeout`` bounds the wait for
+    ranks that are alive but never call ``save``.
+
+    Example::
+
+        ckpt = torchshard.checkpoint.Checkpointer("runs/gpt", keep_last=2)
+        if ckpt.latest() is not None:
+            start = ckpt.load(trainer, optimizer=opt).step
+        for step in range(start, steps):
+            ...
+            if step % 100 == 0:
+                ckpt.save(trainer, step=step, optimizer=opt)   # returns at once
+        ckpt.close()                                            # waits for the last save
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = 3,
+        timeout: float = 600.0,
+        heartbeat_timeout: float = 10.0,
+    ) -> None:
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise CheckpointError(
+                f"keep_last: expected a positive integer or None, got {keep_last!r}"
+            )
+        if not timeout > 0:
+            raise CheckpointError(
+                f"timeout: expected a positive number of seconds, got {timeout!r}"
+            )
+        if not heartbeat_timeout > 0:
+            raise CheckpointError(
+                f"heartbeat_timeout: expected a positive number of seconds, got {heartbeat_timeout!r}"
+            )
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self._writer = Writer(timeout, heartbeat_timeout)
+
+    def save(
+        self,
+        trainer: Checkpointable,
+        *,
+        step: int,
+        optimizer: torch.optim.Optimizer | None = None,
+        extra: dict[str, Any] | None = None,
+        blocking: bool = False,
+    ) -> CheckpointFuture:
+        """Start a save (see :func:`async_save`); with ``blocking=True`` also wait for the commit."""
+        future = self._writer.save(
+            self.root, trainer, step, optimizer, extra, self.keep_last, blocking=blocking
+        )
+        if blocking:
+            future.wait()
+        return future
+
+    def load(
+        self,
+        trainer: Checkpointable,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        path: str | os.PathLike[str] | None = None,
+    ) -> CheckpointInfo:
+        """Load ``path`` or the latest complete checkpoint (see :func:`load`)."""
+        self._writer.settle()
+        return load(self.root if path is None else path, trainer, optimizer=optimizer)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint under the root, or ``None``."""
+        found = complete_checkpoints(self.root)
+        return found[-1][1] if found else None
+
+    def close(self) -> None:
+        """Wait for the save in flight and release the staging memory."""
+        self._writer.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
