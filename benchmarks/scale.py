@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import torchshard
-from torchshard._memory import padded_numel
+from torchshard._parallel.memory import padded_numel
 from torchshard.checkpoint._format import build_metadata, model_file, optim_file
 
 LLAMA_70B = dict(

@@ -303,7 +303,7 @@ def test_reshard_loads_identically(trained, tmp_path, capsys, monkeypatch, world
 
 
 def torchshard_ranges(fm: torchshard.FlatParamModule, world: int) -> list[tuple[int, int]]:
-    from torchshard._reshard import element_ranges
+    from torchshard._flat.geometry import element_ranges
 
     return element_ranges(fm.numel, world, fm.layout.align_bytes // fm.dtype.itemsize)
 

@@ -1,6 +1,6 @@
 """The examples run as documented, with small settings: the transformers fine-tune under
 torchrun and under ``accelerate launch``, and the train / stop / resume at 1 and 3 / export
-script. (``train_gpt.py``, the main job, is exercised by test_launch.py.)"""
+script. (``train_gpt.py``, the main job, is exercised by test_parallel_launch.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from multiprocess import free_port
-from test_launch import clean_env
+from test_parallel_launch import clean_env
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

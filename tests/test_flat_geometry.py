@@ -11,7 +11,7 @@ import itertools
 import pytest
 
 from torchshard import TorchShardError
-from torchshard._reshard import Geometry, element_ranges
+from torchshard._flat.geometry import Geometry, element_ranges
 
 
 def old_element_ranges(numel: int, world: int, align: int) -> list[tuple[int, int]]:

@@ -32,7 +32,7 @@ def _trainer_logs(all_ranks: bool) -> list[tuple[str, str]]:
         with torch.device("meta"):
             model = nn.Linear(4, 4)
         trainer = torchshard.DistributedTrainer(torchshard.FlatParamModule(model))
-        logging.getLogger("torchshard._trainer").warning("a warning from every rank")
+        logging.getLogger("torchshard._parallel.trainer").warning("a warning from every rank")
         trainer.close()
     finally:
         root.removeHandler(handler)

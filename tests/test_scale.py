@@ -11,8 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from scale import WORLD_SIZES, llama_layout, metadata_bytes
 
 from torchshard import plan_memory
-from torchshard._memory import padded_numel
-from torchshard._reshard import element_ranges
+from torchshard._flat.geometry import element_ranges
+from torchshard._parallel.memory import padded_numel
 
 
 @pytest.fixture(scope="module")

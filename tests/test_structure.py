@@ -1,4 +1,4 @@
-"""Imports flow one way: layout -> flat module -> communication / trainer -> (checkpoint) -> CLI."""
+"""The three wings and the one-way imports between them: buffer -> parallelism -> checkpoint -> CLI."""
 
 from __future__ import annotations
 
@@ -10,54 +10,60 @@ import torchshard.checkpoint
 
 PACKAGE = Path(torchshard.__file__).parent
 
-# What each module may import from torchshard. A new module must be placed here.
-ALLOWED = {
-    "_errors": set(),
-    "_layout": {"_errors"},
-    "_buckets": {"_layout"},
-    "_flat_module": {"_errors", "_hf", "_layout", "_log"},
-    "_hf": {"_log"},
-    "_log": set(),
-    "_dist": {"_errors", "_log"},
-    "_trainer": {
-        "_buckets",
+# The three wings, by dotted path under torchshard. Each module lists what it may import
+# from torchshard; a new module must be placed here.
+FLAT = {  # the buffer: imports nothing from parallelism or checkpointing
+    "_flat.layout": {"_errors"},
+    "_flat.geometry": {"_errors", "_flat.layout"},
+    "_flat.hf": {"_log"},
+    "_flat.module": {"_errors", "_flat.hf", "_flat.layout", "_log"},
+}
+PARALLEL = {  # data parallelism: the trainer core, one file per mode, the protocol
+    "_parallel.buckets": {"_flat.layout"},
+    "_parallel.memory": {"_flat.geometry", "_flat.layout"},
+    "_parallel.mode": {"_flat.geometry", "_flat.module", "_parallel.buckets"},
+    "_parallel.replicated": {"_parallel.buckets", "_parallel.mode"},
+    "_parallel.sharded": {"_parallel.buckets", "_parallel.mode"},
+    "_parallel.reducer": {"_errors", "_parallel.buckets", "_parallel.mode"},
+    "_parallel.setup": {"_dist", "_errors", "_flat.layout", "_flat.module", "_parallel.mode"},
+    "_parallel.state": {"_dist", "_flat.module", "_parallel.mode"},
+    "_parallel.trainer": {
         "_dist",
         "_errors",
-        "_flat_module",
-        "_layout",
+        "_flat.geometry",
+        "_flat.module",
         "_log",
-        "_memory",
-        "_reshard",
+        "_parallel.buckets",
+        "_parallel.mode",
+        "_parallel.reducer",
+        "_parallel.replicated",
+        "_parallel.setup",
+        "_parallel.sharded",
     },
-    "_reshard": {"_layout"},
-    "_memory": {"_layout", "_reshard"},
-    "_estimate": {"_errors", "_flat_module", "_layout", "_log", "_memory"},
-    "_cli": {
-        "__init__",
-        "_errors",
-        "_estimate",
-        "_layout",
-        "checkpoint._inspect",
-        "checkpoint._tools",
-    },
-    # The checkpoint wing, keyed by dotted path under torchshard. Only _target knows the
-    # trainer; only _plan the shared range arithmetic.
+}
+CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the trainer class
     "checkpoint._rules": set(),
     "checkpoint._safetensors": {"_errors"},
-    "checkpoint._plan": {"_layout", "_reshard"},
-    "checkpoint._format": {"_errors", "_layout", "_log", "checkpoint._plan", "checkpoint._rules"},
+    "checkpoint._plan": {"_flat.geometry", "_flat.layout"},
+    "checkpoint._format": {
+        "_errors",
+        "_flat.layout",
+        "_log",
+        "checkpoint._plan",
+        "checkpoint._rules",
+    },
     "checkpoint._metadata": {
         "_errors",
-        "_layout",
+        "_flat.layout",
         "checkpoint._format",
         "checkpoint._rules",
         "checkpoint._safetensors",
     },
-    "checkpoint._target": {"_dist", "_errors", "_flat_module", "_trainer"},
-    "checkpoint._optim": {"_errors", "_layout", "checkpoint._target"},
+    "checkpoint._target": {"_dist", "_errors", "_flat.module", "_parallel.state"},
+    "checkpoint._optim": {"_errors", "_flat.layout", "checkpoint._target"},
     "checkpoint._load": {
         "_errors",
-        "_layout",
+        "_flat.layout",
         "checkpoint._format",
         "checkpoint._metadata",
         "checkpoint._optim",
@@ -69,7 +75,7 @@ ALLOWED = {
     # save: the writer, staging and commit; it never imports load (the manager is above both)
     "checkpoint._save": {
         "_errors",
-        "_hf",
+        "_flat.hf",
         "_log",
         "checkpoint._format",
         "checkpoint._optim",
@@ -94,22 +100,40 @@ ALLOWED = {
     },
     "checkpoint._inspect": {
         "_errors",
-        "_layout",
+        "_flat.layout",
         "checkpoint._format",
         "checkpoint._metadata",
         "checkpoint._safetensors",
         "checkpoint._tools",
     },
 }
-# The trainer side never reaches into checkpointing.
-CHECKPOINT = {"checkpoint"} | {m for m in ALLOWED if m.startswith("checkpoint.")}
+ROOT = {  # shared ground floor, and the tools above the wings
+    "_errors": set(),
+    "_log": set(),
+    "_dist": {"_errors", "_log"},
+    "data": {"_errors"},
+    "_estimate": {"_errors", "_flat.layout", "_flat.module", "_log", "_parallel.memory"},
+    "_cli": {
+        "__init__",
+        "_errors",
+        "_estimate",
+        "_flat.layout",
+        "checkpoint._inspect",
+        "checkpoint._tools",
+    },
+}
+ALLOWED = FLAT | PARALLEL | CHECKPOINT | ROOT
+WINGS = {"_flat": FLAT, "_parallel": PARALLEL, "checkpoint": CHECKPOINT}
 
 
 def modules() -> dict[str, Path]:
-    """Every private module, by dotted path under torchshard: ``_trainer``, ``checkpoint._save``."""
-    found = {p.stem: p for p in PACKAGE.glob("_*.py")}
-    found |= {f"checkpoint.{p.stem}": p for p in (PACKAGE / "checkpoint").glob("_*.py")}
-    return {name: p for name, p in found.items() if not name.endswith("__init__")}
+    """Every module but the faces, by dotted path under torchshard: ``_parallel.trainer``."""
+    found = {}
+    for p in PACKAGE.rglob("*.py"):
+        parts = p.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] != "__init__":
+            found[".".join(parts)] = p
+    return found
 
 
 def internal_imports(path: Path) -> tuple[set[str], list[str]]:
@@ -134,8 +158,19 @@ def test_import_directions():
     for name, allowed in ALLOWED.items():
         found, _ = internal_imports(found_modules[name])
         assert found <= allowed, f"{name} imports {found - allowed}"
-    for name in ("_layout", "_flat_module", "_buckets", "_dist", "_trainer"):
-        assert not ALLOWED[name] & CHECKPOINT, name
+
+
+def test_each_wing_imports_only_downward():
+    for name, allowed in FLAT.items():  # the buffer knows neither trainer nor checkpoint
+        assert not any(m.startswith(("_parallel", "checkpoint", "_dist")) for m in allowed), name
+    for name, allowed in PARALLEL.items():  # parallelism never reaches into checkpointing
+        assert not any(m.startswith("checkpoint") for m in allowed), name
+    for name, allowed in CHECKPOINT.items():  # checkpoint reads the protocol, not the class
+        parallel = {m for m in allowed if m.startswith("_parallel")}
+        assert parallel <= {"_parallel.state"}, name
+    for name, allowed in ROOT.items():
+        if name in ("_errors", "_log", "_dist", "data"):
+            assert not any(m.startswith(tuple(WINGS)) for m in allowed), name
 
 
 def test_library_neither_prints_nor_configures_logging():

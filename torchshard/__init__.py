@@ -2,11 +2,11 @@
 
 from ._dist import DistInfo, init_distributed
 from ._errors import BindError, DataError, LayoutError, RankMismatchError, TorchShardError
-from ._flat_module import FlatParamModule
-from ._layout import FlatLayout, ParamSlot
+from ._flat.layout import FlatLayout, ParamSlot
+from ._flat.module import FlatParamModule
 from ._log import set_log_ranks
-from ._memory import RankMemory, plan_memory
-from ._trainer import CommStats, DistributedTrainer
+from ._parallel.memory import RankMemory, plan_memory
+from ._parallel.trainer import CommStats, DistributedTrainer
 from .data import GlobalBatchSampler
 
 __version__ = "0.1.0"

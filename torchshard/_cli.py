@@ -28,7 +28,7 @@ from ._estimate import (
     parse_bytes,
     parse_override,
 )
-from ._layout import FlatLayout, dtype_name
+from ._flat.layout import FlatLayout, dtype_name
 from .checkpoint._inspect import inspect_checkpoint
 from .checkpoint._tools import Progress, consolidate, reshard
 

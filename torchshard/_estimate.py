@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from ._errors import TorchShardError
-from ._flat_module import FlatParamModule
-from ._layout import FlatLayout, dtype_name
+from ._flat.layout import FlatLayout, dtype_name
+from ._flat.module import FlatParamModule
 from ._log import get_logger
-from ._memory import OPTIMIZER_STATES, RankMemory, padded_numel, plan_memory
+from ._parallel.memory import OPTIMIZER_STATES, RankMemory, padded_numel, plan_memory
 
 __all__ = [
     "DTYPES",

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .._buckets import Bucket
-from .._flat_module import FlatParamModule
-from .._reshard import Geometry
+from .._flat.geometry import Geometry
+from .._flat.module import FlatParamModule
+from .buckets import Bucket
 
 __all__ = ["Context", "Mode", "Segment"]
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .._buckets import Bucket
 from .._errors import TorchShardError
+from .buckets import Bucket
 from .mode import Context, Mode
 
 __all__ = ["CommStats", "Reducer"]

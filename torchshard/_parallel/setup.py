@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from .._dist import exchange_bytes
 from .._errors import RankMismatchError
-from .._flat_module import FlatParamModule
-from .._layout import FlatLayout
+from .._flat.layout import FlatLayout
+from .._flat.module import FlatParamModule
 from .mode import Mode
 
 __all__ = ["assert_in_sync", "bind_buffers", "check_same_model", "pick_device"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._buckets import Bucket
+from .buckets import Bucket
 from .mode import Context, Mode, Segment
 
 __all__ = ["ShardedOptimizer"]

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .._dist import Coordinator
-from .._flat_module import FlatParamModule
+from .._flat.module import FlatParamModule
 from .mode import Segment
 
 __all__ = ["TrainState"]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import CheckpointError
-from .._layout import FlatLayout
+from .._flat.layout import FlatLayout
 from .._log import get_logger
 from ._plan import state_ranges, weight_runs
 from ._rules import ADVICE

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError
-from .._layout import dtype_name
+from .._flat.layout import dtype_name
 from ._format import INDEX, METADATA, complete_checkpoints, index_json, resolve
 from ._metadata import Metadata, OptimMeta, read_metadata
 from ._safetensors import FileRecord, SafetensorsReader

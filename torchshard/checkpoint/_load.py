@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import CheckpointError
-from .._layout import dtype_from_name
+from .._flat.layout import dtype_from_name
 from ._format import METADATA, resolve
 from ._metadata import Metadata, Readers, read_metadata
 from ._optim import MASTER, OptimizerView, group_problem, restore_group_values

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError, LayoutError
-from .._layout import FlatLayout, dtype_name
+from .._flat.layout import FlatLayout, dtype_name
 from ._format import FORMAT_VERSION, MASTER, METADATA, step_of, unseal
 from ._rules import (
     ADVICE,

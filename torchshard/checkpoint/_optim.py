@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError
-from .._layout import dtype_from_name, dtype_name
+from .._flat.layout import dtype_from_name, dtype_name
 from ._target import Target
 
 __all__ = ["MASTER", "OptimizerView", "Segment", "group_problem", "restore_group_values"]

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._layout import FlatLayout
-from .._reshard import element_ranges, overlap, weight_shards
+from .._flat.geometry import element_ranges, overlap, weight_shards
+from .._flat.layout import FlatLayout
 
 __all__ = ["Piece", "SharePlan", "overlap", "plan_share", "state_ranges", "weight_runs"]
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import CheckpointError
-from .._hf import transformers_config
+from .._flat.hf import transformers_config
 from .._log import get_logger
 from ._format import (
     build_metadata,

@@ -1,7 +1,8 @@
 """What a checkpoint save or load acts on, and what a load returns.
 
-The one module of the checkpoint layer that knows the trainer class: the
-others reach the trainer only through :class:`Target`.
+The checkpoint layer never imports the trainer class: it reads the
+:class:`TrainState` protocol (which ``DistributedTrainer`` satisfies), here only;
+the other modules reach the trainer through :class:`Target`.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import torch.distributed as dist
 
 from .._dist import exchange_bytes
 from .._errors import CheckpointError
-from .._flat_module import FlatParamModule
-from .._trainer import DistributedTrainer
+from .._flat.module import FlatParamModule
+from .._parallel.state import TrainState
 
 __all__ = ["CheckpointInfo", "Checkpointable", "Target"]
 
-Checkpointable = DistributedTrainer | FlatParamModule
+Checkpointable = TrainState | FlatParamModule
 """What save and load take: a trainer, or a bound ``FlatParamModule`` (a world of one)."""
 
 
@@ -39,10 +40,11 @@ class Target:
     """What a save or load acts on: a flat module, and the group of ranks holding it."""
 
     def __init__(self, obj: Checkpointable) -> None:
-        self.trainer = obj if isinstance(obj, DistributedTrainer) else None
-        if isinstance(obj, DistributedTrainer):
-            self.fm, self.group = obj.module, obj.process_group
-            self.rank, self.world, self.device = obj.rank, obj.world_size, obj.device
+        self.trainer = obj if isinstance(obj, TrainState) else None
+        if self.trainer is not None:
+            t = self.trainer
+            self.fm, self.group = t.module, t.process_group
+            self.rank, self.world, self.device = t.rank, t.world_size, t.device
         elif isinstance(obj, FlatParamModule):
             self.fm, self.group, self.rank, self.world = obj, None, 0, 1
             self.device = obj.device

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from ._layout import FlatLayout
+from .._flat.layout import FlatLayout
 
 __all__ = ["Bucket", "plan_buckets"]
 

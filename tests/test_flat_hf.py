@@ -14,7 +14,7 @@ from torch import nn
 import torchshard
 from torchshard import TorchShardError, checkpoint
 from torchshard._cli import main
-from torchshard._hf import clear_init_flags
+from torchshard._flat.hf import clear_init_flags
 from torchshard.checkpoint._tools import consolidate
 
 transformers = pytest.importorskip("transformers")

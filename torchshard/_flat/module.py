@@ -9,15 +9,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._errors import BindError, TorchShardError
-from ._hf import (
+from .._errors import BindError, TorchShardError
+from .._log import get_logger
+from .hf import (
     clear_init_flags,
     init_transformers_model,
     is_transformers_model,
     restore_declared_ties,
 )
-from ._layout import FlatLayout, ParamSlot
-from ._log import get_logger
+from .layout import FlatLayout, ParamSlot
 
 __all__ = ["FlatParamModule"]
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._layout import FlatLayout
-from ._reshard import Geometry
+from .._flat.geometry import Geometry
+from .._flat.layout import FlatLayout
 
 __all__ = ["OPTIMIZER_STATES", "RankMemory", "padded_numel", "plan_memory"]
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._log import get_logger
+from .._log import get_logger
 
 __all__ = [
     "clear_init_flags",

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._errors import TorchShardError
-from ._layout import FlatLayout
+from .._errors import TorchShardError
+from .layout import FlatLayout
 
 __all__ = ["Geometry", "element_ranges", "overlap", "weight_shards"]
 

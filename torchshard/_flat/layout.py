@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._errors import LayoutError
+from .._errors import LayoutError
 
 __all__ = ["FlatLayout", "ParamSlot", "dtype_from_name", "dtype_name"]
 

@@ -9,17 +9,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._buckets import Bucket, plan_buckets
-from ._dist import Coordinator, destroy_owned_group, init_distributed
-from ._errors import TorchShardError
-from ._flat_module import FlatParamModule
-from ._log import get_logger
-from ._parallel.mode import Context, Mode, Segment
-from ._parallel.reducer import CommStats, Reducer
-from ._parallel.replicated import Replicated
-from ._parallel.setup import assert_in_sync, bind_buffers, check_same_model, pick_device
-from ._parallel.sharded import ShardedOptimizer
-from ._reshard import Geometry
+from .._dist import Coordinator, destroy_owned_group, init_distributed
+from .._errors import TorchShardError
+from .._flat.geometry import Geometry
+from .._flat.module import FlatParamModule
+from .._log import get_logger
+from .buckets import Bucket, plan_buckets
+from .mode import Context, Mode, Segment
+from .reducer import CommStats, Reducer
+from .replicated import Replicated
+from .setup import assert_in_sync, bind_buffers, check_same_model, pick_device
+from .sharded import ShardedOptimizer
 
 __all__ = ["CommStats", "DistributedTrainer"]
 
