@@ -16,19 +16,17 @@ from . import __version__
 from ._errors import ArgumentError, TorchShardError
 from ._estimate import (
     DTYPES,
-    MAX_WORLD_SIZE,
-    NOT_COUNTED,
     OPTIMIZERS,
     EstimateError,
-    MemoryEstimate,
     build_hf_model,
     estimate_memory,
+    format_estimate,
     is_factory,
     layout_of,
     parse_bytes,
     parse_override,
 )
-from ._flat.layout import FlatLayout, dtype_name
+from ._flat.layout import FlatLayout
 from .checkpoint._inspect import inspect_checkpoint
 from .checkpoint._tools import Progress, consolidate, reshard
 
@@ -78,75 +76,6 @@ def _cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
-_OPTIMIZER_NAMES = {
-    "adamw": "AdamW",
-    "adam": "Adam",
-    "sgd": "SGD with momentum",
-    "sgd-nomomentum": "SGD without momentum",
-}
-
-
-def _print_estimate(r: MemoryEstimate) -> None:
-    short = {v: k for k, v in DTYPES.items()}[r.dtype]
-    big = max(m.worst.total for m in r.modes) >= 2**30
-    unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
-    sharded = next((m for m in r.modes if m.shard), None)
-    print(f"model        {r.model} ({r.model_class})")
-    print(
-        f"parameters   {r.parameters:,} in {r.tensors} tensors; flat buffer {r.numel:,} "
-        f"elements of {dtype_name(r.dtype)}"
-    )
-    where = ""
-    if r.dtype != torch.float32 and r.optimizer != "sgd-nomomentum":
-        where = f" (replicated: state in {short}; sharded: fp32 master slice and state)"
-    elif r.dtype != torch.float32:
-        where = " (sharded: fp32 master slice)"
-    print(f"training     {_OPTIMIZER_NAMES[r.optimizer]} at world size {r.world_size}{where}")
-    print()
-    rows = [
-        (f"parameters ({short})", "parameters"),
-        (f"gradients ({short})", "gradients"),
-        ("optimizer state", "optimizer"),
-        ("fp32 master + grad", "master"),
-    ]
-    print(f"{'per rank, ' + unit:<18}" + "".join(f"{m.name:>12}" for m in r.modes))
-    for label, key in rows:
-        values = [m.worst.as_dict()[key] / scale for m in r.modes]
-        print(f"{label:<18}" + "".join(f"{v:>12,.2f}" for v in values))
-    print(f"{'total':<18}" + "".join(f"{m.worst.total / scale:>12,.2f}" for m in r.modes))
-    print()
-    if sharded is not None and r.world_size > 1 and sharded.spread:
-        print(
-            f"sharded: the worst rank (rank {sharded.worst.rank}); the others hold at most "
-            f"{sharded.spread:,} bytes less"
-        )
-    elif sharded is not None and r.world_size > 1:
-        print("sharded: every rank holds the same")
-    if r.budget is not None and r.device_memory is not None:
-        size = f"{r.device_memory / scale:,.2f} {unit} ({r.device_memory:,} bytes)"
-        if r.reserve:
-            size += f", {r.reserve:.0%} reserved: {r.budget / scale:,.2f} {unit} for the above"
-        print(f"device       {size}")
-        floor = 2 * r.numel * r.dtype.itemsize  # full parameters and gradients, on every rank
-        for m in r.modes:
-            now = "fits" if m.worst.total <= r.budget else "does not fit"
-            if m.min_world_size is not None and not m.shard:
-                fit = "fits at any world size (nothing is divided among ranks)"
-            elif m.min_world_size is not None:
-                fit = f"the smallest world size that fits is {m.min_world_size}"
-            elif not m.shard:
-                fit = "no world size fits (nothing is divided among ranks)"
-            elif floor > r.budget:
-                fit = (
-                    f"no world size fits: the full parameters and gradients, which every rank "
-                    f"holds, take {floor / 2**30:,.2f} GiB"
-                )
-            else:
-                fit = f"no world size up to {MAX_WORLD_SIZE:,} fits"
-            print(f"  {m.name + ':':<11} {now} at world size {r.world_size}; {fit}")
-    print(f"not counted: {', '.join(NOT_COUNTED)}; leave headroom for them (--reserve)")
-
-
 def _cmd_estimate(args: argparse.Namespace) -> int:
     overrides = dict(args.overrides)
     if is_factory(args.model):
@@ -172,7 +101,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
-        _print_estimate(report)
+        print(format_estimate(report))
     return 0
 
 

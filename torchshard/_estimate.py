@@ -36,6 +36,7 @@ __all__ = [
     "ModeEstimate",
     "build_hf_model",
     "estimate_memory",
+    "format_estimate",
     "is_factory",
     "layout_of",
     "parse_bytes",
@@ -382,3 +383,77 @@ def estimate_memory(
         device_memory=device_memory,
         reserve=reserve,
     )
+
+
+_OPTIMIZER_NAMES = {
+    "adamw": "AdamW",
+    "adam": "Adam",
+    "sgd": "SGD with momentum",
+    "sgd-nomomentum": "SGD without momentum",
+}
+
+
+def format_estimate(r: MemoryEstimate) -> str:
+    """The table ``torchshard estimate`` prints: per-rank bytes by mode, and what fits."""
+    lines: list[str] = []
+    short = {v: k for k, v in DTYPES.items()}[r.dtype]
+    big = max(m.worst.total for m in r.modes) >= 2**30
+    unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
+    sharded = next((m for m in r.modes if m.shard), None)
+    lines.append(f"model        {r.model} ({r.model_class})")
+    lines.append(
+        f"parameters   {r.parameters:,} in {r.tensors} tensors; flat buffer {r.numel:,} "
+        f"elements of {dtype_name(r.dtype)}"
+    )
+    where = ""
+    if r.dtype != torch.float32 and r.optimizer != "sgd-nomomentum":
+        where = f" (replicated: state in {short}; sharded: fp32 master slice and state)"
+    elif r.dtype != torch.float32:
+        where = " (sharded: fp32 master slice)"
+    lines.append(
+        f"training     {_OPTIMIZER_NAMES[r.optimizer]} at world size {r.world_size}{where}"
+    )
+    lines.append("")
+    rows = [
+        (f"parameters ({short})", "parameters"),
+        (f"gradients ({short})", "gradients"),
+        ("optimizer state", "optimizer"),
+        ("fp32 master + grad", "master"),
+    ]
+    lines.append(f"{'per rank, ' + unit:<18}" + "".join(f"{m.name:>12}" for m in r.modes))
+    for label, key in rows:
+        values = [m.worst.as_dict()[key] / scale for m in r.modes]
+        lines.append(f"{label:<18}" + "".join(f"{v:>12,.2f}" for v in values))
+    lines.append(f"{'total':<18}" + "".join(f"{m.worst.total / scale:>12,.2f}" for m in r.modes))
+    lines.append("")
+    if sharded is not None and r.world_size > 1 and sharded.spread:
+        lines.append(
+            f"sharded: the worst rank (rank {sharded.worst.rank}); the others hold at most "
+            f"{sharded.spread:,} bytes less"
+        )
+    elif sharded is not None and r.world_size > 1:
+        lines.append("sharded: every rank holds the same")
+    if r.budget is not None and r.device_memory is not None:
+        size = f"{r.device_memory / scale:,.2f} {unit} ({r.device_memory:,} bytes)"
+        if r.reserve:
+            size += f", {r.reserve:.0%} reserved: {r.budget / scale:,.2f} {unit} for the above"
+        lines.append(f"device       {size}")
+        floor = 2 * r.numel * r.dtype.itemsize  # full parameters and gradients, on every rank
+        for m in r.modes:
+            now = "fits" if m.worst.total <= r.budget else "does not fit"
+            if m.min_world_size is not None and not m.shard:
+                fit = "fits at any world size (nothing is divided among ranks)"
+            elif m.min_world_size is not None:
+                fit = f"the smallest world size that fits is {m.min_world_size}"
+            elif not m.shard:
+                fit = "no world size fits (nothing is divided among ranks)"
+            elif floor > r.budget:
+                fit = (
+                    f"no world size fits: the full parameters and gradients, which every rank "
+                    f"holds, take {floor / 2**30:,.2f} GiB"
+                )
+            else:
+                fit = f"no world size up to {MAX_WORLD_SIZE:,} fits"
+            lines.append(f"  {m.name + ':':<11} {now} at world size {r.world_size}; {fit}")
+    lines.append(f"not counted: {', '.join(NOT_COUNTED)}; leave headroom for them (--reserve)")
+    return "\n".join(lines)

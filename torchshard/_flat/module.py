@@ -18,6 +18,7 @@ from .hf import (
     restore_declared_ties,
 )
 from .layout import FlatLayout, ParamSlot
+from .views import Owners, install_grad_hooks, overlaps, warn_if_still_held, zero_gaps
 
 __all__ = ["FlatParamModule"]
 
@@ -143,15 +144,15 @@ class FlatParamModule(nn.Module):
                 raise BindError(
                     f"grad: expected a buffer on {flat.device} like flat, got one on {grad.device}"
                 )
-            if _overlaps(flat, grad):
+            if overlaps(flat, grad):
                 raise BindError("grad: the gradient buffer overlaps the parameter buffer")
         elif trains:
             # Left unfaulted: a parameter's region is written when its first
             # gradient arrives, so host memory grows only as gradients are touched.
             grad = torch.empty(self.numel, dtype=self.dtype, device=flat.device)
-            _zero_gaps(grad, self.layout)
+            zero_gaps(grad, self.layout)
 
-        owners = _Owners(self.module)
+        owners = Owners(self.module)
         replaced: list[tuple[str, weakref.ref[torch.Tensor], int]] = []
         with torch.no_grad():
             for slot in self.layout:
@@ -169,11 +170,11 @@ class FlatParamModule(nn.Module):
                         if copy:
                             gview.copy_(old.grad)
                         new.grad = gview
-                    _install_grad_hooks(new, gview)
+                    install_grad_hooks(new, gview)
                 for name in slot.names:
                     owners.set(name, new)
                 del old, new  # release the old storage now, not at the end of the loop
-            _warn_if_still_held(replaced)
+            warn_if_still_held(replaced)
             for prefix, m in self.module.named_modules(remove_duplicate=False):
                 for key, buf in m._buffers.items():
                     if buf is None or buf.device == flat.device:
@@ -290,7 +291,7 @@ class FlatParamModule(nn.Module):
         """Raise :class:`TorchShardError` naming a parameter that is no longer a view of the buffer."""
         self._require_bound("check_views()")
         assert self._flat is not None
-        owners = _Owners(self.module)
+        owners = Owners(self.module)
         base = self._flat.data_ptr()
         for slot in self.layout:
             expected = base + slot.offset * self._flat.element_size()
@@ -371,26 +372,9 @@ class FlatParamModule(nn.Module):
     def named_flat_views(self) -> Iterator[tuple[ParamSlot, torch.Tensor]]:
         """Each slot with its parameter view (for code that walks the buffer by parameter)."""
         self._require_bound("named_flat_views()")
-        owners = _Owners(self.module)
+        owners = Owners(self.module)
         for slot in self.layout:
             yield slot, owners.get(slot.name)
-
-
-def _warn_if_still_held(replaced: list[tuple[str, weakref.ref[torch.Tensor], int]]) -> None:
-    """Say when old parameters outlive bind(): a second copy, and usually a silent bug."""
-    held = [(name, nbytes) for name, ref, nbytes in replaced if ref() is not None]
-    # One survivor is usually a loop variable (`for p in model.parameters(): ...`).
-    if len(held) > 1:
-        logger.warning(
-            "bind(): %d of %d replaced parameters (%.1f MiB, e.g. %r) are still referenced "
-            "elsewhere, so their memory is not freed; if an optimizer was created before "
-            "wrapping, it updates those old tensors, not the model: create it from "
-            "fm.parameters() after bind() (or after DistributedTrainer(fm))",
-            len(held),
-            len(replaced),
-            sum(n for _, n in held) / 2**20,
-            held[0][0],
-        )
 
 
 def _init_own_way(module: nn.Module, seen: set[int] | None = None) -> None:
@@ -408,63 +392,3 @@ def _init_own_way(module: nn.Module, seen: set[int] | None = None) -> None:
         reset()
     for child in module.children():
         _init_own_way(child, seen)
-
-
-class _Owners:
-    """Resolves dotted parameter names to (submodule, attribute) of one module tree."""
-
-    def __init__(self, root: nn.Module) -> None:
-        self._root = root
-
-    def _split(self, name: str) -> tuple[nn.Module, str]:
-        prefix, _, attr = name.rpartition(".")
-        return (self._root.get_submodule(prefix) if prefix else self._root), attr
-
-    def get(self, name: str) -> torch.Tensor:
-        owner, attr = self._split(name)
-        return owner._parameters[attr]
-
-    def set(self, name: str, value: nn.Parameter) -> None:
-        owner, attr = self._split(name)
-        owner._parameters[attr] = value
-
-
-def _install_grad_hooks(param: nn.Parameter, gview: torch.Tensor) -> None:
-    """Keep ``param.grad`` inside the flat gradient buffer.
-
-    While ``param.grad`` is the view, autograd accumulates into it in place.
-    After ``optimizer.zero_grad()`` (``.grad = None``) autograd hands the
-    parameter the incoming gradient tensor itself (the one the backward op
-    produced anyway); this hook, which runs right after accumulation, copies
-    it into the view and puts the view back, so the stray tensor dies at
-    once. The same path repairs ``backward(create_graph=True)``, which
-    replaces ``.grad`` out of place. The hook holds the view, not the
-    parameter: it is stored on the parameter.
-    """
-
-    def after_accumulate(p: torch.Tensor) -> None:
-        g = p.grad
-        if g is not None and g.data_ptr() != gview.data_ptr():
-            with torch.no_grad():
-                gview.copy_(g)
-            p.grad = gview
-
-    param.register_post_accumulate_grad_hook(after_accumulate)
-
-
-def _zero_gaps(grad: torch.Tensor, layout: FlatLayout) -> None:
-    """Zero the alignment padding and the frozen parameters' regions of ``grad``."""
-    end = 0
-    for s in layout:
-        grad[end : s.offset].zero_()
-        if not s.requires_grad:
-            grad[s.offset : s.end].zero_()
-        end = s.end
-    grad[end : layout.numel].zero_()
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()

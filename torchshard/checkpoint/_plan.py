@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._flat.geometry import element_ranges, overlap, weight_shards
+from .._flat.geometry import Geometry, overlap, weight_shards
 from .._flat.layout import FlatLayout
 
 __all__ = ["Piece", "SharePlan", "overlap", "plan_share", "state_ranges", "weight_runs"]
@@ -27,10 +27,9 @@ def weight_runs(layout: FlatLayout, world_size: int) -> list[tuple[int, int]]:
 
 
 def state_ranges(layout: FlatLayout, world_size: int) -> list[tuple[int, int]]:
-    """Each rank's range ``[start, end)`` of flat optimizer state, in elements (aligned)."""
-    return element_ranges(
-        layout.numel, world_size, layout.align_bytes // layout.torch_dtype.itemsize
-    )
+    """Each rank's range ``[start, end)`` of flat optimizer state, in elements (aligned):
+    the sharded trainer's slices, cut at the end of the layout."""
+    return Geometry.of(layout, world_size, pad=True).clipped(layout.numel)
 
 
 @dataclass(frozen=True)

@@ -280,7 +280,7 @@ def reshard(
     """Rewrite the checkpoint at ``path`` as if saved at ``world_size``, as ``out_root/step-N``.
 
     Model files are re-split with :func:`weight_shards`, optimizer files with
-    :func:`element_ranges`; everything else in ``metadata.json`` carries
+    the geometry's state ranges; everything else in ``metadata.json`` carries
     over. Streams block by block, verifying checksums, into
     ``out_root/.tmp-step-N``; ``metadata.json`` is written last and the
     rename commits. Returns the new checkpoint directory.

@@ -1,0 +1,93 @@
+"""Parameters as views of the flat buffers: who owns a name, gradient hooks that keep
+``.grad`` in the flat gradient, and checks on the buffers."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from .._log import get_logger
+from .layout import FlatLayout
+
+__all__ = ["Owners", "install_grad_hooks", "overlaps", "warn_if_still_held", "zero_gaps"]
+
+logger = get_logger("torchshard._flat.module")  # bind()'s warnings, under bind()'s logger
+
+
+def warn_if_still_held(replaced: list[tuple[str, weakref.ref[torch.Tensor], int]]) -> None:
+    """Say when old parameters outlive bind(): a second copy, and usually a silent bug."""
+    held = [(name, nbytes) for name, ref, nbytes in replaced if ref() is not None]
+    # One survivor is usually a loop variable (`for p in model.parameters(): ...`).
+    if len(held) > 1:
+        logger.warning(
+            "bind(): %d of %d replaced parameters (%.1f MiB, e.g. %r) are still referenced "
+            "elsewhere, so their memory is not freed; if an optimizer was created before "
+            "wrapping, it updates those old tensors, not the model: create it from "
+            "fm.parameters() after bind() (or after DistributedTrainer(fm))",
+            len(held),
+            len(replaced),
+            sum(n for _, n in held) / 2**20,
+            held[0][0],
+        )
+
+
+class Owners:
+    """Resolves dotted parameter names to (submodule, attribute) of one module tree."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self._root = root
+
+    def _split(self, name: str) -> tuple[nn.Module, str]:
+        prefix, _, attr = name.rpartition(".")
+        return (self._root.get_submodule(prefix) if prefix else self._root), attr
+
+    def get(self, name: str) -> torch.Tensor:
+        owner, attr = self._split(name)
+        return owner._parameters[attr]
+
+    def set(self, name: str, value: nn.Parameter) -> None:
+        owner, attr = self._split(name)
+        owner._parameters[attr] = value
+
+
+def install_grad_hooks(param: nn.Parameter, gview: torch.Tensor) -> None:
+    """Keep ``param.grad`` inside the flat gradient buffer.
+
+    While ``param.grad`` is the view, autograd accumulates into it in place.
+    After ``optimizer.zero_grad()`` (``.grad = None``) autograd hands the
+    parameter the incoming gradient tensor itself (the one the backward op
+    produced anyway); this hook, which runs right after accumulation, copies
+    it into the view and puts the view back, so the stray tensor dies at
+    once. The same path repairs ``backward(create_graph=True)``, which
+    replaces ``.grad`` out of place. The hook holds the view, not the
+    parameter: it is stored on the parameter.
+    """
+
+    def after_accumulate(p: torch.Tensor) -> None:
+        g = p.grad
+        if g is not None and g.data_ptr() != gview.data_ptr():
+            with torch.no_grad():
+                gview.copy_(g)
+            p.grad = gview
+
+    param.register_post_accumulate_grad_hook(after_accumulate)
+
+
+def zero_gaps(grad: torch.Tensor, layout: FlatLayout) -> None:
+    """Zero the alignment padding and the frozen parameters' regions of ``grad``."""
+    end = 0
+    for s in layout:
+        grad[end : s.offset].zero_()
+        if not s.requires_grad:
+            grad[s.offset : s.end].zero_()
+        end = s.end
+    grad[end : layout.numel].zero_()
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
