@@ -297,3 +297,9 @@ def test_elastic_node_joins_and_the_job_resumes_at_the_new_world_size(tmp_path):
     assert re.search(r"resumed from \S+/step-\d+ \(saved at world size 1", text), text
     assert "world 2 on cpu" in text and "data: epoch" in text, text
     assert "done: first logged loss" in text, text
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan")])
+def test_heartbeat_timeout_must_be_positive(tmp_path, bad):
+    with pytest.raises(checkpoint.CheckpointError, match="heartbeat_timeout: expected a positive"):
+        checkpoint.Checkpointer(tmp_path, heartbeat_timeout=bad)

@@ -317,3 +317,16 @@ def test_fp16_gradients_do_not_overflow_in_the_mean(shard):
         assert out["mean"] == [4e4], out
         assert out["finite"], out
         assert len(out["same"]) == (0 if shard else 6) and all(out["same"]), out
+
+
+def _shard_that_is_no_mode() -> str:
+    try:
+        DistributedTrainer(FlatParamModule(nn.Linear(2, 2)), shard="full")
+    except TorchShardError as e:
+        return str(e)
+    return ""
+
+
+def test_shard_that_is_no_mode_is_an_error_naming_it():
+    message = run_distributed(_shard_that_is_no_mode, 1, timeout=60)[0]
+    assert message == "shard: expected True or False, got 'full'"
