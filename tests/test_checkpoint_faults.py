@@ -303,3 +303,27 @@ def test_elastic_node_joins_and_the_job_resumes_at_the_new_world_size(tmp_path):
 def test_heartbeat_timeout_must_be_positive(tmp_path, bad):
     with pytest.raises(checkpoint.CheckpointError, match="heartbeat_timeout: expected a positive"):
         checkpoint.Checkpointer(tmp_path, heartbeat_timeout=bad)
+
+
+def _heartbeat_stops_with_its_trainer() -> list[bool]:
+    import gc
+    import threading
+
+    def beating() -> int:
+        return sum(t.name.startswith("torchshard-heartbeat") for t in threading.enumerate())
+
+    fm = torchshard.FlatParamModule(torch.nn.Linear(2, 2))
+    closed = torchshard.DistributedTrainer(fm)
+    dropped = torchshard.DistributedTrainer(fm)
+    alive = beating()
+    closed.close()
+    del dropped  # never closed: collected, it must not beat on forever
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while beating() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [alive == 2, beating() == 0]
+
+
+def test_heartbeats_stop_at_close_and_when_a_trainer_is_dropped():
+    assert run_distributed(_heartbeat_stops_with_its_trainer, 2, timeout=60) == [[True, True]] * 2

@@ -199,8 +199,13 @@ class Coordinator:
         self.rank, self.world_size, self.interval = rank, world_size, interval
         self._seq = 0
         self._stop = threading.Event()
+        # The thread holds the key and the event, not the coordinator: a trainer dropped
+        # without close() stops beating when it is collected (__del__).
         self._thread = threading.Thread(
-            target=self._beat, name=f"torchshard-heartbeat-{rank}", daemon=True
+            target=_beat,
+            args=(self.key("alive", rank), interval, self._stop),
+            name=f"torchshard-heartbeat-{rank}",
+            daemon=True,
         )
         self._thread.start()
 
@@ -215,16 +220,6 @@ class Coordinator:
     @property
     def store(self) -> Any:
         return own_connection()
-
-    def _beat(self) -> None:
-        key = self.key("alive", self.rank)
-        try:
-            store = own_connection()
-            while not self._stop.is_set():
-                store.add(key, 1)
-                self._stop.wait(self.interval)
-        except Exception:  # the group is gone (teardown, interpreter exit): stop beating
-            logger.debug("heartbeat of rank %d stopped", self.rank, exc_info=True)
 
     def wait(
         self, keys: list[str], ranks: Iterable[int], *, timeout: float, silence: float, what: str
@@ -267,3 +262,17 @@ class Coordinator:
 
     def close(self) -> None:
         self._stop.set()
+
+    def __del__(self) -> None:
+        self._stop.set()
+
+
+def _beat(key: str, interval: float, stop: threading.Event) -> None:
+    """Bump ``key`` every ``interval`` seconds until ``stop`` is set."""
+    try:
+        store = own_connection()
+        while not stop.is_set():
+            store.add(key, 1)
+            stop.wait(interval)
+    except Exception:  # the group is gone (teardown, interpreter exit): stop beating
+        logger.debug("heartbeat %s stopped", key, exc_info=True)
