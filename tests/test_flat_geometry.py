@@ -45,6 +45,7 @@ def test_geometry_is_the_arithmetic_it_replaced(numel, world, align, pad):
     assert all(b == c for (_, b), (c, _) in itertools.pairwise(ranges))  # contiguous tiling
     if pad:
         assert len({b - a for a, b in ranges}) == 1  # equal slices: one all-gather
+    assert [g.range(r) for r in range(world)] == ranges
     for offset in range(total):
         r = g.owner(offset)
         assert ranges[r][0] <= offset < ranges[r][1]

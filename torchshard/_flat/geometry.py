@@ -70,7 +70,11 @@ class Geometry:
         return self.clipped(self.total)
 
     def range(self, rank: int) -> tuple[int, int]:
-        return self.ranges()[rank]
+        """Rank ``rank``'s ``[a, b)``, without building every rank's (called per step)."""
+        if not 0 <= rank < self.world_size:
+            raise TorchShardError(f"rank: expected one in [0, {self.world_size}), got {rank}")
+        per, n, s = self.per_rank, self.total, self.start
+        return (s + min(rank * per, n), s + min((rank + 1) * per, n))
 
     def clipped(self, n: int) -> list[tuple[int, int]]:
         """The same cuts over ``[start, start + n)``: e.g. the checkpoint's ranges of the
