@@ -8,15 +8,16 @@ Used by ``test_checkpoint_corruption.py``, ``test_checkpoint_metadata.py``,
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from gpt import GPT, GPTConfig
-from test_checkpoint_integrity import reseal
 
 import torchshard
 from torchshard import checkpoint
@@ -72,6 +73,17 @@ def target(cfg: GPTConfig = CFG) -> tuple[torchshard.FlatParamModule, torch.opti
     return fm, opt
 
 
+def reseal(data: bytes) -> bytes:
+    """``metadata.json`` bytes with the checksum made to vouch for them (docs/checkpoint-format.md:
+    the SHA-256 of every byte before ``,"sha256":"``, last in the object); as is when unsealed."""
+    meta = json.loads(data)
+    if not isinstance(meta, dict) or "sha256" not in meta:
+        return data
+    meta.pop("sha256")
+    body = json.dumps(meta, separators=(",", ":")).encode()[:-1]
+    return body + b',"sha256":"' + hashlib.sha256(body).hexdigest().encode() + b'"}'
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
@@ -83,9 +95,9 @@ def tree_diff(a: Any, b: Any, where: str) -> list[str]:
     """Where two state trees differ: tensors bitwise, containers by type and content."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         ok = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and same_bits(a, b)
-        return [] if ok else [where]
+        return [] if ok else [f"{where}: {a!r} vs {b!r}"]
     if type(a) is not type(b):
-        return [f"{where}: {type(a).__name__} vs {type(b).__name__}"]
+        return [f"{where}: {a!r} vs {b!r}"]
     if isinstance(a, dict):
         if a.keys() != b.keys():
             return [f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"]
@@ -205,3 +217,16 @@ def rerecord(record: dict[str, Any], data: bytes) -> dict[str, Any]:
         crcs = [zlib.crc32(data[i : i + chunk]) for i in range(0, len(data), chunk)]
         out["crc32"] = "".join(f"{c:08x}" for c in crcs)
     return out
+
+
+# -- fixtures, for every test module (registered in conftest.py) ---------------------------
+@pytest.fixture(scope="module")
+def single_thread() -> Iterator[None]:
+    """Use as ``pytestmark = pytest.mark.usefixtures("single_thread")``."""
+    yield from one_thread()
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    """A small committed checkpoint (see :func:`save_tiny`)."""
+    return save_tiny(tmp_path)

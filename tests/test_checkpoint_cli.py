@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 import torch
+from checkpoint_harness import reseal
 from gpt import GPT, GPTConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_checkpoint_integrity import reseal
 from torch import nn
 
 import torchshard

@@ -25,11 +25,9 @@ from checkpoint_harness import (
     changes,
     flip_byte,
     header,
-    one_thread,
     read_meta,
     refused,
     rerecord,
-    save_tiny,
     snapshot,
     target,
     train,
@@ -42,15 +40,7 @@ import torchshard
 from torchshard import TorchShardError, checkpoint
 from torchshard.checkpoint import CheckpointError
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    yield from one_thread()
-
-
-@pytest.fixture
-def saved(tmp_path: Path) -> Path:
-    return save_tiny(tmp_path)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_checkpoint_error_is_a_torchshard_error():

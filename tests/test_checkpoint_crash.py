@@ -23,7 +23,6 @@ from checkpoint_harness import (
     MODEL,
     OPTIM,
     build,
-    one_thread,
     same_bits,
     target,
     tree_diff,
@@ -36,9 +35,7 @@ from torchshard import checkpoint
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    yield from one_thread()
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # -- subprocess scripts: a full disk, a SIGKILL ----------------------------------------------------

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import inspect
 import json
 import random
@@ -47,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import torch
 import torch.distributed as dist
+from checkpoint_harness import reseal, same_bits, tree_diff
 from gpt import GPT, GPTConfig
 from torch import nn
 
@@ -131,36 +131,11 @@ TARGET_HYPER = dict(lr=2e-3, betas=(0.7, 0.9), eps=1e-7)
 
 
 # -- snapshots and comparisons ------------------------------------------------------------
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
-def _tree_diff(a: Any, b: Any, where: str) -> list[str]:
-    """Where two trees differ: tensors bitwise, everything else by type and value."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        ok = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_bits(a, b)
-        return [] if ok else [f"{where}: {a!r} vs {b!r}"]
-    if type(a) is not type(b):
-        return [f"{where}: {a!r} vs {b!r}"]
-    if isinstance(a, dict):
-        if set(a) != set(b):
-            return [f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"]
-        return [d for k in a for d in _tree_diff(a[k], b[k], f"{where}[{k!r}]")]
-    if isinstance(a, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{where}: length {len(a)} vs {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _tree_diff(x, y, f"{where}[{i}]")]
-    return [] if a == b else [f"{where}: {a!r} vs {b!r}"]
-
-
 def _same_hyper(a: Any, b: Any) -> bool:
     """Equal as the optimizer sees a hyperparameter: 1 and 1.0 alike, True and 1 not,
     a tuple and a list of the same values alike (torch unpacks them), tensors bitwise."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return _same_bits(a, b)
+        return same_bits(a, b)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return False
     if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
@@ -217,31 +192,20 @@ def differences(live: Live, ref: dict[str, Any], own: bool = False) -> list[str]
     out = []
     if own and flat.data_ptr() != ref["flat_ptr"]:
         out.append("the flat buffer was replaced")
-    if own and not _same_bits(flat, ref["flat"]):
+    if own and not same_bits(flat, ref["flat"]):
         out.append("flat buffer")
     params = {n: p for n, p in live.fm.module.named_parameters()}
-    out += [f"parameter {n}" for n, p in ref["params"].items() if not _same_bits(params[n], p)]
+    out += [f"parameter {n}" for n, p in ref["params"].items() if not same_bits(params[n], p)]
     bufs = live.buffers()
-    out += [f"buffer {n}" for n, b in ref["buffers"].items() if not _same_bits(bufs[n], b)]
+    out += [f"buffer {n}" for n, b in ref["buffers"].items() if not same_bits(bufs[n], b)]
     sd = live.opt.state_dict()
-    out += _tree_diff(sd["state"], ref["optim"]["state"], "optimizer state")
+    out += tree_diff(sd["state"], ref["optim"]["state"], "optimizer state")
     out += _groups_diff(sd["param_groups"], ref["optim"]["param_groups"])
     return out
 
 
 # -- corruptions --------------------------------------------------------------------------
 _SEAL = re.compile(rb',"sha256":"([0-9a-f]{64})"\}\s*\Z')
-
-
-def reseal(data: bytes) -> bytes:
-    """``metadata.json`` bytes with the checksum made to vouch for them (docs/checkpoint-format.md:
-    the SHA-256 of every byte before ``,"sha256":"``, last in the object); as is when unsealed."""
-    meta = json.loads(data)
-    if not isinstance(meta, dict) or "sha256" not in meta:
-        return data
-    meta.pop("sha256")
-    body = json.dumps(meta, separators=(",", ":")).encode()[:-1]
-    return body + b',"sha256":"' + hashlib.sha256(body).hexdigest().encode() + b'"}'
 
 
 def _nodes(tree: Any, path: tuple = ()) -> list[tuple]:
@@ -441,7 +405,7 @@ def attempt(
     diffs += (
         [f"step {info.step!r}"] if info.step != SAVED_STEP or type(info.step) is not int else []
     )
-    diffs += _tree_diff(info.extra, EXTRA, "extra")
+    diffs += tree_diff(info.extra, EXTRA, "extra")
     if not diffs:
         return "harmless", ""
     if resealed:

@@ -24,10 +24,8 @@ from checkpoint_harness import (
     MODEL,
     OPTIM,
     flip_byte,
-    one_thread,
     read_meta,
     refused,
-    save_tiny,
     target,
     write_meta,
 )
@@ -40,14 +38,7 @@ def _numbers_for_checksums(record: dict[str, Any]) -> dict[str, Any]:
     return {k: (v if k == "size" else 12345678) for k, v in record.items()}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    yield from one_thread()
-
-
-@pytest.fixture
-def saved(tmp_path: Path) -> Path:
-    return save_tiny(tmp_path)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # -- 4. malformed metadata.json --------------------------------------------------------------------

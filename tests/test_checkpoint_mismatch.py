@@ -4,17 +4,13 @@ difference, and the failed load changes nothing.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from checkpoint_harness import (
     CFG,
     build,
-    one_thread,
     refused,
     same_bits,
-    save_tiny,
     target,
     train,
 )
@@ -23,15 +19,7 @@ from gpt import GPTConfig
 import torchshard
 from torchshard import checkpoint
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    yield from one_thread()
-
-
-@pytest.fixture
-def saved(tmp_path: Path) -> Path:
-    return save_tiny(tmp_path)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # -- 7. a checkpoint of a different model ----------------------------------------------------------

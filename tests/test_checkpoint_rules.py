@@ -13,11 +13,9 @@ import pytest
 import torch
 from checkpoint_harness import (
     build,
-    one_thread,
     read_meta,
     refused,
     same_bits,
-    save_tiny,
     train,
     tree_diff,
     write_meta,
@@ -26,15 +24,7 @@ from checkpoint_harness import (
 from torchshard import checkpoint
 from torchshard.checkpoint._rules import OPTIMIZER_RULES, Invalid
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    yield from one_thread()
-
-
-@pytest.fixture
-def saved(tmp_path: Path) -> Path:
-    return save_tiny(tmp_path)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # -- 5c. every optimizer with rules: torch's own values pass, torch's refusals are refused ---------
