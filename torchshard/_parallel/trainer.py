@@ -432,8 +432,6 @@ class DistributedTrainer:
 
 def _pick_mode(shard: bool, master_dtype: torch.dtype) -> Mode:
     """The parallel mode for ``shard=``: read once, here (a new mode is a file and a line)."""
-    if shard is True or shard == 1:
-        return ShardedOptimizer(master_dtype)
-    if shard is False or shard == 0:
-        return Replicated()
-    raise TorchShardError(f"shard: expected True or False, got {shard!r}")
+    if shard not in (True, False):
+        raise TorchShardError(f"shard: expected True or False, got {shard!r}")
+    return ShardedOptimizer(master_dtype) if shard else Replicated()
