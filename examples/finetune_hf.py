@@ -43,7 +43,14 @@ import transformers
 from accelerate import init_empty_weights
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_gpt import forever, get_batch, load_corpus, load_data_state, make_loader
+from train_gpt import (
+    decided_by_rank0,
+    forever,
+    get_batch,
+    load_corpus,
+    load_data_state,
+    make_loader,
+)
 
 import torchshard
 import torchshard.checkpoint
@@ -127,10 +134,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if info.rank == 0:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     ckpt = torchshard.checkpoint.Checkpointer(args.ckpt_dir, keep_last=2)
-    if not args.resume and ckpt.latest() is not None:  # never lose a run by relaunching it
+    latest = decided_by_rank0(ckpt.latest, info.device)  # one answer for every rank
+    if not args.resume and latest is not None:  # never lose a run by relaunching it
         if info.rank == 0:
             print(
-                f"finetune_hf: {args.ckpt_dir} holds checkpoints (latest: {ckpt.latest()}); "
+                f"finetune_hf: {args.ckpt_dir} holds checkpoints (latest: {latest}); "
                 "--resume continues them, --ckpt-dir picks another directory",
                 file=sys.stderr,
             )
@@ -157,8 +165,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # The checkpoint stores the model's transformers config: `torchshard consolidate`
     # turns it into a directory that from_pretrained loads.
     start = 0
-    if args.resume and ckpt.latest() is not None:
-        resumed = ckpt.load(trainer, optimizer=opt)
+    if args.resume and latest is not None:
+        resumed = ckpt.load(trainer, optimizer=opt, path=latest)
         start = resumed.step
         log.info("resumed %s, saved at world size %s", resumed.path, resumed.extra["world_size"])
         load_data_state(sampler, resumed.extra)

@@ -182,6 +182,20 @@ def load_data_state(sampler: torchshard.GlobalBatchSampler, extra: dict) -> None
     )
 
 
+def decided_by_rank0(decide, device):
+    """``decide()``, called on rank 0 only; its answer, on every rank.
+
+    Decisions that read the filesystem ("is there a checkpoint?") or the environment must
+    be taken once for all ranks. On a shared directory over NFS, attribute caching can show
+    one node a checkpoint that another does not see yet (a non-shared directory differs
+    for good); ranks that branch on their own look then part ways, some entering a
+    collective (a barrier, a load) that the others never join, and the job hangs until
+    the collective timeout. ``device``: where the backend's tensors live (the trainer's)."""
+    answer = [decide() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(answer, src=0, device=device)
+    return answer[0]
+
+
 def forever(batches):
     """Pass after pass (epoch after epoch) over ``batches``."""
     while True:
@@ -218,10 +232,15 @@ def main(argv: list[str] | None = None) -> float:
         if args.ckpt_dir
         else None
     )
-    if ckpt is not None and not args.resume and not args.overwrite and ckpt.latest() is not None:
+    # Rank 0 looks for a checkpoint (and whether this is a restart) and every rank acts on
+    # its answer: resume it, refuse to start over it, or delete it (--overwrite).
+    args.resume, latest = decided_by_rank0(
+        lambda: (args.resume, ckpt.latest() if ckpt is not None else None), info.device
+    )
+    if not args.resume and not args.overwrite and latest is not None:
         if info.rank == 0:  # never lose a run by launching the same command again
             print(
-                f"train_gpt: {args.ckpt_dir} holds checkpoints (latest: {ckpt.latest()}); "
+                f"train_gpt: {args.ckpt_dir} holds checkpoints (latest: {latest}); "
                 "--resume continues them, --overwrite deletes them and starts again, "
                 "--ckpt-dir picks another directory",
                 file=sys.stderr,
@@ -265,18 +284,17 @@ def main(argv: list[str] | None = None) -> float:
         groups=[(no_decay, {"weight_decay": 0.0})],
     )
     start = 0
-    if ckpt is not None and not args.resume and ckpt.latest() is not None:
+    if not args.resume and latest is not None:  # --overwrite
         log.info("--overwrite: removing %s's old checkpoints", args.ckpt_dir)
-        dist.barrier()  # every rank has looked before rank 0 deletes
         if info.rank == 0:
             for old in Path(args.ckpt_dir).glob("step-*"):
                 shutil.rmtree(old)
-        dist.barrier()
+        dist.barrier()  # no rank saves into the directory before they are gone
     if args.resume:
-        if ckpt is None or ckpt.latest() is None:
+        if latest is None:
             log.info("--resume: no checkpoint under %r, starting from scratch", args.ckpt_dir)
         else:
-            resumed = ckpt.load(trainer, optimizer=opt)
+            resumed = ckpt.load(trainer, optimizer=opt, path=latest)  # rank 0's, on every rank
             start = resumed.step
             log.info(
                 "resumed from %s (saved at world size %d, loss %s)",
