@@ -93,7 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument(
+        "--log-every",
+        type=int,
+        default=25,
+        help="log the loss every N steps (its mean over the ranks and those N steps)",
+    )
     p.add_argument("--ckpt-dir", default="runs/finetune_hf", help="checkpoint root")
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
@@ -181,7 +186,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "sharded" if args.shard else "replicated",
     )
 
-    losses: list[float] = []
+    # The loss summed on the device since the last log, read (a host sync) only at log steps.
+    loss_sum, n_summed, last_loss = torch.zeros(1, device=info.device), 0, float("nan")
     batches = forever(sampler.track(loader))  # counts what the loop received: saved below
     last = min(args.steps, args.stop_at or args.steps)
     for step in range(start + 1, last + 1):
@@ -191,17 +197,22 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 * min(1.0, step / 10)
                 * (0.55 + 0.45 * math.cos(math.pi * step / args.steps))
             )
-        x = next(batches)[0].to(info.device, non_blocking=True)  # (input, shifted): input only
+        # (input, shifted): input only; pinned by the DataLoader on CUDA, so the copy is async
+        x = next(batches)[0].to(info.device, non_blocking=True)
         trainer.zero_grad()
         loss = fm(input_ids=x, labels=x).loss  # transformers shifts the labels
         loss.backward()
         trainer.clip_grad_norm_(1.0)
         trainer.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / info.world_size)
-        if step % args.log_every == 0 or step == last:
-            log.info("step %4d  loss %.4f", step, losses[-1])
+        loss_sum += loss.detach().float()
+        n_summed += 1
+        if step % args.log_every == 0 or step == last:  # the mean over ranks and these steps
+            mean = loss_sum / n_summed
+            dist.all_reduce(mean)
+            last_loss = mean.item() / info.world_size
+            log.info("step %4d  loss %.4f", step, last_loss)
+            loss_sum.zero_()
+            n_summed = 0
         if step % args.save_every == 0 or step == last:
             extra = {"world_size": info.world_size, "data": sampler.state_dict()}
             ckpt.save(trainer, step=step, optimizer=opt, extra=extra)
@@ -220,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "checkpoints: %s", ", ".join(p.name for p in sorted(Path(args.ckpt_dir).glob("step-*")))
     )
     trainer.close()
-    return {"val_loss": val_loss, "last_loss": losses[-1] if losses else float("nan")}
+    return {"val_loss": val_loss, "last_loss": last_loss}
 
 
 if __name__ == "__main__":

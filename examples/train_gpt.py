@@ -82,7 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size (MiB)")
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        help="gradient bucket size (MiB; default: 25 on CUDA, as DDP, and 1 on the CPU)",
+    )
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt-dir", default="runs/train_gpt", help="checkpoint root ('' to disable)")
@@ -214,6 +218,8 @@ def get_batch(data: torch.Tensor, batch: int, block: int, gen: torch.Generator, 
     starts = torch.randint(0, len(data) - block - 1, (batch,), generator=gen)
     x = torch.stack([data[s : s + block] for s in starts])
     y = torch.stack([data[s + 1 : s + 1 + block] for s in starts])
+    if torch.device(device).type == "cuda":  # page-locked, so that the copies are asynchronous
+        x, y = x.pin_memory(), y.pin_memory()
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
@@ -263,6 +269,8 @@ def main(argv: list[str] | None = None) -> float:
     with torch.device("meta"):
         model = GPT(cfg)
     fm = torchshard.FlatParamModule(model, dtype=torch.bfloat16 if args.bf16 else None)
+    if args.bucket_mb is None:
+        args.bucket_mb = 25.0 if info.device.type == "cuda" else 1.0
     trainer = torchshard.DistributedTrainer(
         fm,
         device=info.device,
@@ -304,19 +312,22 @@ def main(argv: list[str] | None = None) -> float:
             )
             load_data_state(sampler, resumed.extra)
     log.info(
-        "world %d on %s, %s: %.2fM parameters, corpus %d bytes, %d buckets",
+        "world %d on %s, %s: %.2fM parameters, corpus %d bytes, %d buckets of %g MiB",
         info.world_size,
         info.device,
         "sharded" if args.shard else "replicated",
         fm.layout.param_numel / 1e6,
         len(train) + len(val),
         trainer.stats.buckets,
+        args.bucket_mb,
     )
 
     tokens_per_step = args.batch_size * args.block_size * args.grad_accum  # all ranks
     # Counted as the loop receives them (the workers draw ahead): what a checkpoint saves.
     batches = forever(sampler.track(loader))
-    t_last, wait_last, loss_sum, n_logged, first_loss = time.perf_counter(), 0.0, 0.0, 0, None
+    t_last, wait_last, n_logged, first_loss = time.perf_counter(), 0.0, 0, None
+    # The loss summed on the device since the last log, read (a host sync) only at log steps.
+    loss_sum = torch.zeros(1, device=info.device)
     mean_loss = float("nan")
     last = min(args.steps, args.stop_at or args.steps)
     for step in range(start + 1, last + 1):
@@ -326,18 +337,19 @@ def main(argv: list[str] | None = None) -> float:
             group["lr"] = lr
         trainer.zero_grad()
         for micro in range(args.grad_accum):
+            # pinned by the DataLoader on CUDA: the host queues the copies and goes on
             x, y = (t.to(info.device, non_blocking=True) for t in next(batches))
             sync_later = micro < args.grad_accum - 1
             with trainer.no_sync() if sync_later else contextlib.nullcontext():
                 _, loss = fm(x, y)
                 (loss / args.grad_accum).backward()
-            loss_sum += loss.item() / args.grad_accum
+            loss_sum += loss.detach().float() / args.grad_accum
         trainer.clip_grad_norm_(args.max_grad_norm)  # averages (or reduces) the gradients first
         trainer.step()  # the optimizer step; sharded: then all-gathers the updated slices
         n_logged += 1
 
         if step % args.log_every == 0 or step == args.steps:
-            mean = torch.tensor([float(loss_sum / n_logged)], device=info.device)
+            mean = loss_sum / n_logged
             dist.all_reduce(mean)
             mean_loss = mean.item() / info.world_size
             first_loss = first_loss or mean_loss
@@ -351,7 +363,8 @@ def main(argv: list[str] | None = None) -> float:
                 tokens_per_step * steps_done / (now - t_last),
                 1000 * (wait - wait_last) / steps_done,
             )
-            t_last, wait_last, loss_sum = now, wait, 0.0
+            t_last, wait_last = now, wait
+            loss_sum.zero_()
         if step == args.fail_at and info.rank == info.world_size - 1 and not restarted:
             print(f"train_gpt: --fail-at {step}: rank {info.rank} kills itself", file=sys.stderr)
             os.kill(os.getpid(), signal.SIGKILL)
