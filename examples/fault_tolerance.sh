@@ -9,8 +9,12 @@
 # The recipe is the launch line: `torchrun --max-restarts N` plus a script that resumes
 # from its latest checkpoint when restarted (train_gpt.py does: --resume, or
 # TORCHELASTIC_RESTART_COUNT > 0).
+#
+# It runs on the CPU (gloo) even where there are GPUs: the check at the end is bitwise, which
+# needs deterministic kernels (not every GPU kernel is), and the 3-rank runs would need 3 GPUs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export CUDA_VISIBLE_DEVICES=""
 
 STEPS=${STEPS:-60}
 HALF=$((STEPS / 2))

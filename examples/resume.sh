@@ -6,6 +6,10 @@
 #   STEPS=20 bash examples/resume.sh         # shorter
 #
 # Anything in ARGS goes to every run of examples/finetune_hf.py (e.g. ARGS="--shard").
+#
+# With CUDA, torchshard gives each rank of a node a GPU of its own (NCCL); two ranks on one
+# GPU fail. A run with more ranks than there are GPUs therefore goes to the CPU (gloo), the
+# others use the GPUs: the checkpoints are the same whatever the device.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,8 +20,20 @@ ARGS=${ARGS:-}
 TRAIN="examples/finetune_hf.py --steps $STEPS $ARGS"
 rm -rf "$RUN"
 
+GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
+launch() { # launch N ARGS...: N ranks under torchrun, on the CPU if there are fewer GPUs
+    local n=$1
+    shift
+    if ((GPUS > 0 && GPUS < n)); then
+        echo "($n ranks, $GPUS GPU(s): this run uses the CPU and gloo)"
+        CUDA_VISIBLE_DEVICES="" torchrun --standalone --nproc-per-node "$n" "$@"
+    else
+        torchrun --standalone --nproc-per-node "$n" "$@"
+    fi
+}
+
 echo "== 2 ranks: steps 1-$HALF, then stop"
-torchrun --standalone --nproc-per-node 2 $TRAIN --ckpt-dir "$RUN/w2" --stop-at "$HALF"
+launch 2 $TRAIN --ckpt-dir "$RUN/w2" --stop-at "$HALF"
 torchshard inspect "$RUN/w2"
 
 # The same checkpoint, twice: each resume writes its own later checkpoints.
@@ -28,7 +44,7 @@ echo "== 1 rank (no launcher): steps $((HALF + 1))-$STEPS from step $HALF"
 python $TRAIN --ckpt-dir "$RUN/w1" --resume
 
 echo "== 3 ranks: steps $((HALF + 1))-$STEPS from step $HALF"
-torchrun --standalone --nproc-per-node 3 $TRAIN --ckpt-dir "$RUN/w3" --resume
+launch 3 $TRAIN --ckpt-dir "$RUN/w3" --resume
 
 echo "== export for transformers, and load it there"
 torchshard consolidate "$RUN/w3" "$RUN/model"
