@@ -14,10 +14,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._errors import TorchShardError
+from ._errors import DeviceError, TorchShardError
 from ._log import get_logger
 
-__all__ = ["Coordinator", "DistInfo", "RankLostError", "init_distributed"]
+__all__ = [
+    "Coordinator",
+    "DistInfo",
+    "RankLostError",
+    "backend_devices",
+    "choose_device",
+    "init_distributed",
+]
 
 logger = get_logger(__name__)
 
@@ -48,20 +55,96 @@ def _env_int(name: str, default: int) -> int:
         ) from e
 
 
+def backend_devices(config: str) -> dict[str, str]:
+    """Which backend serves which device type, from a backend string or config.
+
+    ``"nccl"`` -> ``{"cuda": "nccl"}``; ``"cpu:gloo,cuda:nccl"`` -> both;
+    ``"undefined"`` (``init_process_group()`` without a backend) -> torch's
+    defaults, gloo for CPU and NCCL for CUDA.
+    """
+    config = config.strip().lower()
+    if ":" in config:
+        pairs = (part.split(":", 1) for part in config.split(",") if part.strip())
+        return {d.strip(): b.strip() for d, b in pairs}
+    if config in ("", "undefined"):
+        return {"cpu": "gloo", "cuda": "nccl"}
+    if config == "gloo":
+        return {"cpu": "gloo", "cuda": "gloo"}
+    if config == "nccl":
+        return {"cuda": "nccl"}
+    return {"cpu": config}
+
+
+def choose_device(
+    *,
+    backends: dict[str, str],
+    cuda_available: bool,
+    device_count: int,
+    local_rank: int | None,
+    local_world_size: int | None,
+    current: int,
+    module_device: torch.device | None = None,
+    bound: torch.device | None = None,
+) -> torch.device:
+    """The device a rank trains on, from what the group can do and where the rank sits.
+
+    A pure function of its arguments (the trainer and :func:`init_distributed`
+    gather them). In order: the group's bound device (``init_process_group(device_id=)``);
+    CPU unless CUDA is available and NCCL serves CUDA tensors; the GPU the
+    module's parameters are already on; ``cuda:LOCAL_RANK``; else the current
+    CUDA device (a script that called ``torch.cuda.set_device`` itself).
+
+    Raises:
+        DeviceError: more ranks on this node than visible GPUs (NCCL would fail
+            with "Duplicate GPU detected"), or a local rank with no GPU.
+
+    Example::
+
+        >>> choose_device(backends=backend_devices("cpu:gloo,cuda:nccl"), cuda_available=True,
+        ...               device_count=8, local_rank=3, local_world_size=8, current=0)
+        device(type='cuda', index=3)
+    """
+    if bound is not None:
+        return bound
+    if not cuda_available or backends.get("cuda") != "nccl":
+        return torch.device("cpu")
+    if module_device is not None and module_device.type == "cuda":
+        return module_device
+    if local_world_size is not None and local_world_size > device_count:
+        raise DeviceError(
+            f"{local_world_size} ranks on this node (LOCAL_WORLD_SIZE) but {device_count} "
+            f"visible CUDA device(s): NCCL needs one GPU per rank; launch at most "
+            f"{device_count} per node (torchrun --nproc-per-node {device_count}), or use gloo "
+            "on CPU (init_distributed(backend='gloo'))"
+        )
+    if local_rank is not None:
+        if not 0 <= local_rank < device_count:
+            raise DeviceError(
+                f"LOCAL_RANK={local_rank} but {device_count} visible CUDA device(s): no GPU "
+                "for this rank"
+            )
+        return torch.device("cuda", local_rank)
+    return torch.device("cuda", current)
+
+
 def init_distributed(
     backend: str | None = None, timeout: float | timedelta | None = None
 ) -> DistInfo:
     """Initialize the default process group from torchrun's environment, once.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
-    ``MASTER_PORT``; uses NCCL when CUDA is available, else gloo; sets the
-    CUDA device to the local rank. Without torchrun (no ``WORLD_SIZE``) it is
+    ``MASTER_PORT``; uses NCCL when CUDA is available, else gloo; picks the
+    device with :func:`choose_device` (``cuda:LOCAL_RANK`` under NCCL), sets it
+    and binds the group to it. Without torchrun (no ``WORLD_SIZE``) it is
     a world of one, backed by an in-process store. Calling it again returns
     the same answer; a group initialized by someone else is used as it is.
 
     Args:
-        backend: ``"nccl"``, ``"gloo"``, ... (default: by device).
+        backend: ``"nccl"``, ``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ... (default: by device).
         timeout: collective timeout, seconds or a ``timedelta`` (default: torch's).
+
+    Raises:
+        DeviceError: under NCCL, more ranks on the node than GPUs, or no ``LOCAL_RANK``.
 
     Example::
 
@@ -70,19 +153,39 @@ def init_distributed(
     """
     global _owns_default_group
     local_rank = _env_int("LOCAL_RANK", 0)
-    cuda = torch.cuda.is_available() and backend in (None, "nccl", "cuda:nccl")
-    if cuda:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    creating = not dist.is_initialized()
+    if creating:
+        config = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     else:
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        backend = backend or ("nccl" if cuda else "gloo")
-        kwargs = {}
+        config = dist.get_backend_config()
+    device = choose_device(
+        backends=backend_devices(config),
+        cuda_available=torch.cuda.is_available(),
+        device_count=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        local_rank=_env_int("LOCAL_RANK", -1) if "LOCAL_RANK" in os.environ else None,
+        local_world_size=(
+            _env_int("LOCAL_WORLD_SIZE", 1) if "LOCAL_WORLD_SIZE" in os.environ else None
+        ),
+        current=torch.cuda.current_device() if torch.cuda.is_available() else 0,
+    )
+    cuda = device.type == "cuda"
+    if cuda and creating and _env_int("WORLD_SIZE", 1) > 1 and "LOCAL_RANK" not in os.environ:
+        raise DeviceError(
+            "init_distributed: WORLD_SIZE is set but LOCAL_RANK is not, so which GPU this rank "
+            "should use is unknown (every rank would take cuda:0); launch with torchrun, or "
+            "export LOCAL_RANK (e.g. from SLURM_LOCALID)"
+        )
+    if cuda:
+        torch.cuda.set_device(device)
+    if creating:
+        backend = config
+        kwargs: dict[str, Any] = {}
         if timeout is not None:
             kwargs["timeout"] = (
                 timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
             )
+        if cuda:  # NCCL communicators made now, for this GPU (and split for subgroups)
+            kwargs["device_id"] = device
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # torchrun's agent keeps one store for the whole job, across restarts: a
             # restarted worker would read the previous attempt's keys (gloo's peer
@@ -144,13 +247,15 @@ def exchange_bytes(
     n = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(n) for _ in range(world)]
     dist.all_gather(lengths, n, group=group)
-    width = max(int(t.item()) for t in lengths)
+    sizes = torch.cat(lengths).tolist()  # one host read, not one per rank
+    width = max(sizes)
     mine = torch.zeros(max(width, 1), dtype=torch.uint8, device=device)
     if data:
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine, group=group)
-    return [bytes(p[: int(k.item())].cpu().tolist()) for p, k in zip(parts, lengths)]
+    table = torch.stack(parts).cpu()
+    return [bytes(table[r, :k].tolist()) for r, k in enumerate(sizes)]
 
 
 # -- coordination through the store ------------------------------------------------------------

@@ -7,6 +7,7 @@ __all__ = [
     "BindError",
     "CheckpointError",
     "DataError",
+    "DeviceError",
     "LayoutError",
     "RankMismatchError",
     "TorchShardError",
@@ -23,6 +24,10 @@ class LayoutError(TorchShardError, ValueError):
 
 class BindError(TorchShardError, ValueError):
     """A buffer handed to :meth:`FlatParamModule.bind` does not fit the layout."""
+
+
+class DeviceError(TorchShardError, RuntimeError):
+    """No device fits this rank: more ranks on a node than GPUs, or no local rank to pick one."""
 
 
 class RankMismatchError(TorchShardError):

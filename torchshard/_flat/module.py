@@ -68,6 +68,9 @@ class FlatParamModule(nn.Module):
         # name -> (the tensor, its version counter at bind).
         self._unset_buffers: dict[str, tuple[torch.Tensor, int]] = {}
         self._buffer_check: Any = None  # the forward pre-hook that checks them, once
+        # Who hears that a parameter's gradient is ready: [callable(slot) or None]. The
+        # one per-parameter hook calls it (a trainer sets it; see set_grad_listener).
+        self._grad_listener: list[Callable[[int], None] | None] = [None]
 
     # -- properties -------------------------------------------------------------
     @property
@@ -155,7 +158,7 @@ class FlatParamModule(nn.Module):
         owners = Owners(self.module)
         replaced: list[tuple[str, weakref.ref[torch.Tensor], int]] = []
         with torch.no_grad():
-            for slot in self.layout:
+            for index, slot in enumerate(self.layout):
                 old = owners.get(slot.name)
                 view = flat[slot.offset : slot.end].view(slot.shape)
                 if copy and old.device.type != "meta":
@@ -170,7 +173,7 @@ class FlatParamModule(nn.Module):
                         if copy:
                             gview.copy_(old.grad)
                         new.grad = gview
-                    install_grad_hooks(new, gview)
+                    install_grad_hooks(new, gview, index, self._grad_listener)
                 for name in slot.names:
                     owners.set(name, new)
                 del old, new  # release the old storage now, not at the end of the loop
@@ -189,6 +192,15 @@ class FlatParamModule(nn.Module):
         self._flat, self._grad = flat, grad if trains else None
         self._arm_buffer_check()
         return self
+
+    def _set_grad_listener(self, listener: Callable[[int], None] | None) -> None:
+        """Have the per-parameter gradient hook call ``listener(slot)`` (``None``: nobody)."""
+        if listener is not None and self._grad_listener[0] is not None:
+            raise TorchShardError(
+                "this FlatParamModule already has a DistributedTrainer; close() it before "
+                "creating another one for the same module"
+            )
+        self._grad_listener[0] = listener
 
     def _check_buffer(self, what: str, t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor):

@@ -52,8 +52,13 @@ class Owners:
         owner._parameters[attr] = value
 
 
-def install_grad_hooks(param: nn.Parameter, gview: torch.Tensor) -> None:
-    """Keep ``param.grad`` inside the flat gradient buffer.
+GradListener = list  # a one-element cell: [callable(slot index) or None]
+
+
+def install_grad_hooks(
+    param: nn.Parameter, gview: torch.Tensor, slot: int, listener: GradListener
+) -> None:
+    """Keep ``param.grad`` inside the flat gradient buffer, and tell ``listener[0]``.
 
     While ``param.grad`` is the view, autograd accumulates into it in place.
     After ``optimizer.zero_grad()`` (``.grad = None``) autograd hands the
@@ -61,8 +66,10 @@ def install_grad_hooks(param: nn.Parameter, gview: torch.Tensor) -> None:
     produced anyway); this hook, which runs right after accumulation, copies
     it into the view and puts the view back, so the stray tensor dies at
     once. The same path repairs ``backward(create_graph=True)``, which
-    replaces ``.grad`` out of place. The hook holds the view, not the
-    parameter: it is stored on the parameter.
+    replaces ``.grad`` out of place. Then it calls ``listener[0](slot)`` if
+    set (the trainer's reducer): one Python hook per parameter, not two, since
+    hooks run inline on the autograd thread and hold back the next kernel.
+    The hook holds the view and the cell, not the parameter or the module.
     """
 
     def after_accumulate(p: torch.Tensor) -> None:
@@ -71,6 +78,9 @@ def install_grad_hooks(param: nn.Parameter, gview: torch.Tensor) -> None:
             with torch.no_grad():
                 gview.copy_(g)
             p.grad = gview
+        ready = listener[0]
+        if ready is not None:
+            ready(slot)
 
     param.register_post_accumulate_grad_hook(after_accumulate)
 

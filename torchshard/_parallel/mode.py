@@ -41,6 +41,13 @@ class Context:
     """Slot indices of the parameters that require grad."""
     divide_first: bool
     """Divide gradients before reducing them (float16: a sum over ranks would overflow)."""
+    mean_op: dist.ReduceOp | None = None
+    """``ReduceOp.AVG`` when the backend averages natively (NCCL): no division pass after."""
+
+    @property
+    def divides_after(self) -> bool:
+        """The reduced gradient is a sum that the mode must still divide by the world size."""
+        return self.world_size > 1 and not self.divide_first and self.mean_op is None
 
     def global_rank(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -87,7 +94,10 @@ class Mode:
         """Build the mode's state, once the buffers hold the broadcast weights."""
 
     def launch(self, ctx: Context, bucket: Bucket, view: torch.Tensor) -> dist.Work:
-        """Start reducing ``view`` (the bucket's gradient, pre-divided if ``divide_first``)."""
+        """Start reducing ``view`` (the bucket's gradient, pre-divided if ``divide_first``).
+
+        Called during backward, on the autograd thread: no host synchronization here.
+        """
         raise NotImplementedError
 
     def sent_mask(self) -> torch.Tensor | None:

@@ -9,7 +9,6 @@ out of order on one rank deadlocks (NCCL) or mixes up buckets (gloo).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +32,19 @@ class CommStats:
     launched_during_backward: int = 0
     """Buckets of the last step whose all-reduce started inside backward."""
     wait_seconds: float = 0.0
-    """Total time ``average_gradients()`` spent waiting for communication."""
+    """Total time ``average_gradients()`` spent waiting for communication (host time:
+    meaningful on gloo; on NCCL ``wait()`` only orders the streams and returns at once)."""
 
 
 class Reducer:
-    """Hooks on every trainable parameter; launches buckets in order; finishes the mean."""
+    """Hears each trainable parameter's gradient (through the module's one hook per
+    parameter); launches buckets in order; finishes the mean.
+
+    With every parameter used, a step makes no host synchronization: the
+    used-parameter mask is filled on the device and read back only when this
+    rank has a parameter without a gradient (DDP pays that read only with
+    ``find_unused_parameters=True``).
+    """
 
     def __init__(self, ctx: Context, mode: Mode, buckets: tuple[Bucket, ...]) -> None:
         self.ctx, self.mode, self.buckets = ctx, mode, buckets
@@ -51,17 +58,11 @@ class Reducer:
         """Whether the gradients are the mean since the last backward."""
         self.works: list[dist.Work] = []
         self.stats = CommStats(buckets=sum(b.trainable > 0 for b in buckets))
+        # The mask's own all-reduce, for modes whose buckets cannot carry it: persistent,
+        # on the device, so filling it is a kernel and not a host-to-device copy.
+        self._mask = torch.zeros(len(ctx.trainable), dtype=torch.int32, device=ctx.device)
         self._reset_step()
-        self.hooks = [
-            ctx.params[i].register_post_accumulate_grad_hook(self._make_hook(i))
-            for i in ctx.trainable
-        ]
-
-    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
-            self._on_grad_ready(i)
-
-        return hook
+        ctx.fm._set_grad_listener(self._on_grad_ready)
 
     def _reset_step(self) -> None:
         self.ready = [False] * len(self.ctx.fm.layout)
@@ -112,18 +113,24 @@ class Reducer:
             self._launch(self.buckets[self.next], in_backward=False)
             self.next += 1
         used = [ctx.params[i].grad is not None for i in ctx.trainable]
+        everywhere = all(used)  # then the global mask is all ones: nothing to read back
         if ctx.world_size > 1:
             # Which parameters have a gradient anywhere: in a bucket already, or in one
             # small all-reduce, always issued last so the order is the same on every rank.
             mask = self.mode.sent_mask()
             if mask is None:
-                mask = torch.tensor(used, dtype=torch.int32, device=ctx.device)
+                mask = self._mask
+                if everywhere:
+                    mask.fill_(1)
+                else:
+                    mask.copy_(torch.tensor(used, dtype=mask.dtype))
                 self.works.append(dist.all_reduce(mask, group=ctx.group, async_op=True))
             t0 = time.perf_counter()
             for work in self.works:
-                work.wait()
+                work.wait()  # on NCCL: the current stream waits, the host does not
             self.stats.wait_seconds += time.perf_counter() - t0
-            used = [bool(n) for n in mask.tolist()]
+            if not everywhere:
+                used = [bool(n) for n in mask.tolist()]
         self.mode.finish(ctx)
         globally_used = dict(zip(ctx.trainable, used))
         for i in ctx.trainable:
@@ -139,8 +146,7 @@ class Reducer:
         self._reset_step()
 
     def close(self) -> None:
-        for h in self.hooks:
-            h.remove()
+        self.ctx.fm._set_grad_listener(None)
         for work in self.works:
             work.wait()
         self.works.clear()

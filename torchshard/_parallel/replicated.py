@@ -35,15 +35,19 @@ class Replicated(Mode):
             # gets a gradient this step has it now, so the mask is final.
             assert self._mask is not None
             used = [ctx.params[i].grad is not None for i in ctx.trainable]
-            self._mask.copy_(torch.tensor(used, dtype=self._mask.dtype))
+            if all(used):  # always so when launched inside backward: a kernel, no host sync
+                self._mask.fill_(1)
+            else:  # from average_gradients(), which reads the mask back anyway
+                self._mask.copy_(torch.tensor(used, dtype=self._mask.dtype))
             view = self._store[: self._store.numel() - ctx.grad.numel() + bucket.end]
             self._sent = True
-        return dist.all_reduce(view, group=ctx.group, async_op=True)
+        op = ctx.mean_op or dist.ReduceOp.SUM
+        return dist.all_reduce(view, op=op, group=ctx.group, async_op=True)
 
     def sent_mask(self) -> torch.Tensor | None:
         mask, self._sent = (self._mask if self._sent else None), False
         return mask
 
     def finish(self, ctx: Context) -> None:
-        if ctx.world_size > 1 and not ctx.divide_first:
+        if ctx.divides_after:
             ctx.grad.div_(ctx.world_size)

@@ -5,31 +5,61 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import secrets
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from .._dist import exchange_bytes
+from .._dist import backend_devices, choose_device, exchange_bytes
 from .._errors import RankMismatchError
 from .._flat.layout import FlatLayout
 from .._flat.module import FlatParamModule
 from .mode import Mode
 
-__all__ = ["assert_in_sync", "bind_buffers", "check_same_model", "pick_device"]
+__all__ = [
+    "assert_in_sync",
+    "bind_buffers",
+    "check_same_model",
+    "native_mean",
+    "pick_device",
+]
 
 
 def pick_device(
     fm: FlatParamModule, device: torch.device | str | None, group: dist.ProcessGroup | None
 ) -> torch.device:
+    """``device`` if given, the bound buffer's device, else :func:`choose_device` from what
+    the group can do (its backend config, not its name), ``LOCAL_RANK`` and the module."""
     if device is not None:
         return torch.device(device)
     if fm.is_bound:
         return fm.device
-    if torch.cuda.is_available() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    pg = group if group is not None else dist.group.WORLD
+    cuda = torch.cuda.is_available()
+    real = [p.device for p in fm.module.parameters() if not p.is_meta]
+    local = os.environ.get("LOCAL_RANK")
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    return choose_device(
+        backends=backend_devices(dist.get_backend_config(group)),
+        cuda_available=cuda,
+        device_count=torch.cuda.device_count() if cuda else 0,
+        local_rank=int(local) if local is not None else None,
+        local_world_size=int(local_world) if local_world is not None else None,
+        current=torch.cuda.current_device() if cuda else 0,
+        module_device=real[0] if real else None,
+        bound=getattr(pg, "bound_device_id", None),
+    )
+
+
+def native_mean(group: dist.ProcessGroup | None, device: torch.device) -> dist.ReduceOp | None:
+    """``ReduceOp.AVG`` where the group's backend averages natively on ``device`` (NCCL),
+    else ``None`` (gloo has no AVG: sum, then divide)."""
+    if device.type != "cuda":
+        return None
+    backends = backend_devices(dist.get_backend_config(group))
+    return dist.ReduceOp.AVG if backends.get("cuda") == "nccl" else None
 
 
 def bind_buffers(
@@ -78,7 +108,10 @@ def check_same_model(
 
     Returns a token that ``src`` drew, the same on every rank: the name of this trainer's
     keys in the store, unique per group and per run attempt (see ``Coordinator``).
+    A world of one has nothing to compare (and no store keys): no collective, ``""``.
     """
+    if dist.get_world_size(group) == 1:
+        return ""
     layout = fm.layout
     buffers = [[n, list(b.shape), str(b.dtype)] for n, b in fm.module.named_buffers()]
     mine = layout.fingerprint() + hashlib.sha256(json.dumps(buffers).encode()).hexdigest()[:32]
@@ -116,13 +149,13 @@ def assert_in_sync(
         sums.append(_bit_checksum(p))
     for name, b in fm.module.named_buffers():
         names.append(f"buffer {name}")
-        sums.append(_bit_checksum(b))
-    mine = torch.tensor(sums, dtype=torch.int64, device=device)
+        sums.append(_bit_checksum(b.to(device)))
     if world_size == 1:
         return
+    mine = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(everyone, mine, group=group)
-    table = torch.stack(everyone).cpu()
+    table = torch.stack(everyone).cpu()  # the one host read
     differs = (table != table[0]).any(dim=0).nonzero()
     if len(differs):
         k = int(differs[0])
@@ -134,14 +167,16 @@ def assert_in_sync(
         )
 
 
-def _bit_checksum(t: torch.Tensor, chunk: int = 1 << 20) -> int:
-    """A position-weighted sum of the raw bits of ``t`` (equal values give equal sums)."""
+def _bit_checksum(t: torch.Tensor) -> torch.Tensor:
+    """A position-weighted sum of the raw bits of ``t`` (equal values give equal sums), as a
+    0-d int64 tensor on ``t``'s device: computed there, read by the caller once for all."""
     flat = t.detach().reshape(-1)
     ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
     bits = flat.view(ints) if flat.dtype != torch.bool else flat.to(torch.int8)
-    total = 0
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    chunk = 1 << 20  # bounds the int64 temporaries at 16 MiB
     for start in range(0, bits.numel(), chunk):
         part = bits[start : start + chunk].to(torch.int64)
         weights = torch.arange(start + 1, start + 1 + part.numel(), device=part.device) % 65521
-        total = (total + int((part * (weights + 1)).sum())) % (1 << 62)
+        total = (total + (part * (weights + 1)).sum()) % (1 << 62)
     return total

@@ -44,17 +44,18 @@ class ShardedOptimizer(Mode):
 
     def launch(self, ctx: Context, bucket: Bucket, view: torch.Tensor) -> dist.Work:
         dst = ctx.global_rank(self._owner[bucket.index])
-        return dist.reduce(view, dst, group=ctx.group, async_op=True)
+        op = ctx.mean_op or dist.ReduceOp.SUM
+        return dist.reduce(view, dst, op=op, group=ctx.group, async_op=True)
 
     def finish(self, ctx: Context) -> None:
         s0, e0 = ctx.geometry.range(ctx.rank)
         mine = ctx.grad[s0:e0]
         if self._master_grad is not None:
-            # summed across ranks in the buffer's dtype (half the traffic in bf16),
-            # divided here in the master dtype
+            # reduced across ranks in the buffer's dtype (half the traffic in bf16); a sum
+            # is divided here, in the master dtype
             self._master_grad.copy_(mine)
             mine = self._master_grad
-        if ctx.world_size > 1 and not ctx.divide_first:
+        if ctx.divides_after:
             mine.div_(ctx.world_size)
 
     # -- the rank's slice -----------------------------------------------------------------

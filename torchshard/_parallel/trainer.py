@@ -18,7 +18,7 @@ from .buckets import Bucket, plan_buckets
 from .mode import Context, Mode, Segment
 from .reducer import CommStats, Reducer
 from .replicated import Replicated
-from .setup import assert_in_sync, bind_buffers, check_same_model, pick_device
+from .setup import assert_in_sync, bind_buffers, check_same_model, native_mean, pick_device
 from .sharded import ShardedOptimizer
 
 __all__ = ["CommStats", "DistributedTrainer"]
@@ -122,10 +122,12 @@ class DistributedTrainer:
 
         self._params = tuple(p for _, p in fm.named_flat_views())
         self._trainable = tuple(i for i, s in enumerate(layout.slots) if s.requires_grad)
-        # float16 tops out at 65504: a sum over ranks overflows where the mean would not,
-        # so divide before reducing (as DDP does). bf16 and fp32 keep divide-after (exact
-        # for a power-of-two world, and what the bitwise tests against DDP pin).
-        self._divide_first = fm.dtype == torch.float16
+        # NCCL averages natively (ReduceOp.AVG: a pre-multiplied sum, no division pass).
+        # Elsewhere float16, which tops out at 65504, is divided before the sum, as DDP
+        # does: a sum over ranks overflows where the mean would not. bf16 and fp32 keep
+        # divide-after (exact for a power-of-two world; what the bitwise DDP tests pin).
+        self._mean_op = native_mean(self._group, self.device)
+        self._divide_first = fm.dtype == torch.float16 and self._mean_op is None
         self._ctx = Context(
             fm=fm,
             group=self._group,
@@ -136,6 +138,7 @@ class DistributedTrainer:
             params=self._params,
             trainable=self._trainable,
             divide_first=self._divide_first,
+            mean_op=self._mean_op,
         )
         self._buckets: tuple[Bucket, ...] = plan_buckets(
             layout,
@@ -233,6 +236,9 @@ class DistributedTrainer:
             return
         flat = self.module.flat_param
         assert flat is not None
+        if op == "mean" and self._mean_op is not None:
+            dist.all_reduce(flat, op=self._mean_op, group=self._group)
+            return
         if op == "mean" and self._divide_first:
             flat.div_(self.world_size)
         dist.all_reduce(flat, op=_REDUCE_OPS[op], group=self._group)
@@ -412,6 +418,11 @@ class DistributedTrainer:
         for part in (getattr(self, "_coordinator", None), getattr(self, "_reducer", None)):
             if part is not None:  # None too when construction failed half-way
                 part.close()
+        device = getattr(self, "device", None)
+        if device is not None and device.type == "cuda":
+            # work.wait() on NCCL only orders streams: let collectives in flight finish
+            # before the group that runs them can be destroyed
+            torch.cuda.current_stream(device).synchronize()
         destroy_owned_group()
 
     def __enter__(self) -> DistributedTrainer:
