@@ -1,10 +1,87 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+import pytest
+
+# -- a hermetic CPU suite: GPUs are hidden unless asked for --------------------------------------
+# On a GPU box, code that picks its backend from torch.cuda.is_available() (init_distributed:
+# NCCL, one GPU per local rank) would turn the gloo tests into NCCL runs, with 3 ranks on 2 GPUs
+# ("Duplicate GPU detected"). So the CPU suite runs with CUDA_VISIBLE_DEVICES="": set here, at
+# conftest import, the earliest a conftest runs (before any test module imports torch's CUDA
+# state; importing torch does not initialize CUDA, and CUDA reads the variable when it does).
+# Every child inherits it: run_distributed copies os.environ into each rank, subprocess and
+# torchrun calls build their env from os.environ, and xdist workers start after this point.
+#
+# GPUs stay visible with `-m gpu` (only the GPU tests) or `--gpu` (the whole suite, GPUs
+# visible); pytest_configure restores the original value then, before anything used CUDA.
+_HIDDEN = "CUDA_VISIBLE_DEVICES"
+_ORIGINAL = os.environ.get(_HIDDEN)  # None: unset
+os.environ[_HIDDEN] = ""
 
 # The example's GPT model is the project's reference model for tests and benchmarks.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 # Shared fixtures of the checkpoint tests (single_thread, saved).
 pytest_plugins = ["checkpoint_harness"]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--gpu",
+        action="store_true",
+        default=False,
+        help="keep CUDA devices visible and run the tests marked gpu "
+        "(default: CUDA_VISIBLE_DEVICES='' for the whole session, gpu tests skipped)",
+    )
+
+
+def _selects_gpu(markexpr: str) -> bool:
+    """Whether ``-m markexpr`` selects a test marked ``gpu`` (and nothing else)."""
+    if not markexpr:
+        return False
+    try:
+        from _pytest.mark.expression import Expression  # pytest's own -m parser
+
+        return bool(Expression.compile(markexpr).evaluate(lambda name, **_: name == "gpu"))
+    except Exception:  # a private API: fall back to reading the words
+        words = markexpr.replace("(", " ").replace(")", " ").split()
+        return "gpu" in words and "not gpu" not in " ".join(words)
+
+
+def gpus_requested(config: pytest.Config) -> bool:
+    return bool(config.getoption("--gpu")) or _selects_gpu(config.getoption("markexpr") or "")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if gpus_requested(config):
+        if _ORIGINAL is None:
+            os.environ.pop(_HIDDEN, None)
+        else:
+            os.environ[_HIDDEN] = _ORIGINAL
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        # A plugin initialized CUDA before this file ran: this process keeps its GPUs (the
+        # children, which read the variable afresh, still see none).
+        config.issue_config_time_warning(
+            pytest.PytestConfigWarning(
+                "CUDA was initialized before tests/conftest.py could hide the GPUs; "
+                "the pytest process itself may still use them"
+            ),
+            stacklevel=2,
+        )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if gpus_requested(config):
+        return
+    skip = pytest.mark.skip(
+        reason="GPU test: run `python -m pytest -m gpu` (this session hides CUDA: "
+        "CUDA_VISIBLE_DEVICES='')"
+    )
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
