@@ -1,0 +1,308 @@
+"""The collective log: every rank issues the same collectives, in the same order, with the same
+sizes and dtypes, on contiguous tensors on the trainer's device, from the main thread.
+
+Gloo tolerates what NCCL does not: a collective one rank skips, or issues with another count,
+can pass unnoticed on gloo (or fail far from its cause) where NCCL hangs until its watchdog.
+So each rank records every ``torch.distributed`` collective it calls, by monkeypatching the
+``torch.distributed`` module (torchshard calls ``dist.all_reduce`` etc. through
+``import torch.distributed as dist``), over a replicated and a sharded run: steps, a parameter
+used on one rank only, ``no_sync`` accumulation, a blocking and an async checkpoint save and a
+load. The logs are compared with each other, never with a hard-coded list: which collective
+torchshard uses for a job (``all_gather`` or ``all_gather_into_tensor``) may change; that every
+rank calls the same one may not.
+
+What it catches, for example: a rank that sends the used-parameter mask in its own all-reduce
+only when it has a parameter without a gradient (rank 0 logs ``all_reduce(n=24)``, rank 1 logs
+nothing there: NCCL deadlocks), a bucket cut that depends on the rank's slice, a checkpoint
+exchange issued from the background writer thread, or a tensor left on the CPU under NCCL.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import os
+import threading
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from gpt import GPT, GPTConfig
+from multiprocess import run_distributed
+from torch import nn
+
+import torchshard
+from torchshard import DistributedTrainer, FlatParamModule, checkpoint
+
+CFG = GPTConfig.preset("tiny")
+BUCKET_MB = 0.01  # ~10 KB: the tiny GPT spreads over several buckets
+
+# Everything torch.distributed offers that communicates; whatever this torch lacks is skipped.
+COLLECTIVES = (
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "_all_gather_base",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "_reduce_scatter_base",
+    "all_to_all",
+    "all_to_all_single",
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
+    "gather",
+    "scatter",
+    "barrier",
+    "monitored_barrier",
+)
+# Pickle over the wire, and on the CPU under NCCL: torchshard promises none.
+OBJECT_COLLECTIVES = (
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+)
+ROOTS = ("src", "dst", "group_src", "group_dst")  # must name the same rank everywhere
+
+
+class Call(NamedTuple):
+    phase: str
+    op: str
+    tensors: tuple[tuple[str, Any], ...]  # (argument, (numel, dtype, contiguous, device) or a list)
+    args: tuple[tuple[str, str], ...]  # the reduce op and roots
+    group: tuple[int, ...] | str
+    thread: str
+
+
+def describe(t: torch.Tensor) -> tuple[int, str, bool, str]:
+    return (t.numel(), str(t.dtype), t.is_contiguous(), str(t.device))
+
+
+class CollectiveLog:
+    """Records each call of a torch.distributed collective (while installed), then calls it."""
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+        self.phase = "setup"
+        self._real: dict[str, Any] = {}
+
+    def install(self) -> None:
+        for name in COLLECTIVES + OBJECT_COLLECTIVES:
+            real = getattr(dist, name, None)
+            if real is not None:
+                self._real[name] = real
+                setattr(dist, name, self._wrap(name, real))
+
+    def uninstall(self) -> None:
+        for name, real in self._real.items():
+            setattr(dist, name, real)
+        self._real.clear()
+
+    def _wrap(self, name: str, real: Any) -> Any:
+        sig = inspect.signature(real)
+
+        @functools.wraps(real)
+        def logged(*args: Any, **kwargs: Any) -> Any:
+            self._record(name, sig, args, kwargs)
+            return real(*args, **kwargs)
+
+        return logged
+
+    def _record(self, name: str, sig: inspect.Signature, args: tuple, kwargs: dict) -> None:
+        try:
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            named = dict(bound.arguments)
+        except TypeError:  # let the real call raise its own error
+            named = {f"arg{i}": a for i, a in enumerate(args)} | kwargs
+        tensors: list[tuple[str, Any]] = []
+        for arg, v in named.items():
+            if isinstance(v, torch.Tensor):
+                tensors.append((arg, describe(v)))
+            elif isinstance(v, (list, tuple)) and v and all(isinstance(t, torch.Tensor) for t in v):
+                tensors.append((arg, tuple(describe(t) for t in v)))
+        extra = [("op", str(named["op"]))] if named.get("op") is not None else []
+        extra += [(k, str(named[k])) for k in ROOTS if named.get(k) is not None]
+        group = named.get("group")
+        ranks = "default" if group is None else tuple(dist.get_process_group_ranks(group))
+        thread = threading.current_thread().name
+        self.calls.append(Call(self.phase, name, tuple(tensors), tuple(extra), ranks, thread))
+
+
+def first_divergence(logs: list[list[Call]]) -> str | None:
+    """Where the ranks' logs first differ (``None``: identical), with a little context."""
+    for rank, log in enumerate(logs[1:], 1):
+        for i, (a, b) in enumerate(itertools.zip_longest(logs[0], log)):
+            if a != b:
+                before = logs[0][max(0, i - 2) : i]
+                return (
+                    f"call {i}: rank 0 {a} vs rank {rank} {b}"
+                    f"\n(the calls before, on rank 0: {before})"
+                )
+    return None
+
+
+def flat_descriptions(call: Call) -> list[tuple[int, str, bool, str]]:
+    out = []
+    for _, d in call.tensors:
+        out += list(d) if isinstance(d[0], tuple) else [d]
+    return out
+
+
+# -- the workers --------------------------------------------------------------------------------
+class GPTWithAux(GPT):
+    """The tiny GPT plus a head that some phases use on one rank only."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.aux = nn.Linear(cfg.n_embd, 1)
+
+    def forward(self, idx, targets, use_aux=True):  # type: ignore[override]
+        logits, loss = super().forward(idx, targets)
+        if use_aux:
+            loss = loss + self.aux(self.wte(idx)).pow(2).mean()
+        return logits, loss
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 * rank + step)
+    idx = torch.randint(0, CFG.vocab_size, (2, CFG.block_size + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def build(shard: bool, seed: int = 0) -> tuple[FlatParamModule, DistributedTrainer, Any]:
+    torch.manual_seed(seed)
+    fm = FlatParamModule(GPTWithAux(CFG))
+    trainer = DistributedTrainer(fm, bucket_mb=BUCKET_MB, shard=shard)
+    opt = trainer.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    return fm, trainer, opt
+
+
+def step(fm, trainer, step_no: int, use_aux: bool = True, micro: int = 1) -> None:
+    rank = dist.get_rank()
+    trainer.zero_grad()
+    with trainer.no_sync():
+        for m in range(micro - 1):
+            fm(*batch(rank, 100 * step_no + m), use_aux=use_aux)[1].backward()
+    fm(*batch(rank, 100 * step_no + micro), use_aux=use_aux)[1].backward()
+    trainer.average_gradients()
+    trainer.clip_grad_norm_(0.5)
+    trainer.step()
+
+
+def _scenarios(mode: str, root: str) -> dict[str, Any]:
+    shard = mode == "sharded"
+    rank = dist.get_rank()
+    log = CollectiveLog()
+    log.install()
+    try:
+        log.phase = "build"
+        fm, trainer, opt = build(shard)
+        log.phase = "step, every parameter used"
+        for i in range(2):
+            step(fm, trainer, i)
+        log.phase = "step, aux used on rank 0 only"
+        step(fm, trainer, 2, use_aux=rank == 0)
+        log.phase = "step, aux used nowhere"
+        step(fm, trainer, 3, use_aux=False)
+        log.phase = "no_sync accumulation"
+        step(fm, trainer, 4, micro=3)
+        step(fm, trainer, 5, use_aux=rank == 1, micro=2)
+        log.phase = "save"
+        checkpoint.save(root, trainer, step=6, optimizer=opt)
+        log.phase = "async_save, a step while it writes"
+        future = checkpoint.async_save(root, trainer, step=7, optimizer=opt)
+        step(fm, trainer, 7)
+        future.wait()
+        log.phase = "load: build"
+        fm2, trainer2, opt2 = build(shard, seed=1)
+        log.phase = "load"
+        checkpoint.load(root, trainer2, optimizer=opt2)
+        log.phase = "step after load"
+        step(fm2, trainer2, 8)
+        log.phase = "assert_in_sync"
+        trainer2.assert_in_sync()
+    finally:
+        log.uninstall()
+    device = str(trainer.device)
+    trainer.close()
+    trainer2.close()
+    return {"log": log.calls, "device": device}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("mode", ["replicated", "sharded"])
+def test_every_rank_issues_the_same_collectives(mode, world_size, tmp_path):
+    results = run_distributed(_scenarios, world_size, mode, str(tmp_path / "ckpt"), timeout=240)
+    logs = [r["log"] for r in results]
+    problem = first_divergence(logs)
+    assert problem is None, problem
+    for rank, r in enumerate(results):
+        for call in r["log"]:
+            where = f"rank {rank}, {call.phase}: {call.op}"
+            assert call.op not in OBJECT_COLLECTIVES, f"{where}: an object (pickle) collective"
+            assert call.thread == threading.main_thread().name, f"{where}: from {call.thread}"
+            for numel, dtype, contiguous, device in flat_descriptions(call):
+                assert contiguous, f"{where}: a non-contiguous {dtype} tensor of {numel}"
+                assert device == r["device"], f"{where}: on {device}, the trainer on {r['device']}"
+    # The wrapper sees torchshard's calls (else the comparison above proves nothing).
+    phases = {call.phase for call in logs[0]}
+    for phase in ("build", "step, every parameter used", "no_sync accumulation", "load"):
+        assert phase in phases, f"no collective logged in {phase!r}: {sorted(phases)}"
+
+
+def test_first_divergence_names_the_call():
+    """The comparison itself can fail: a mask all-reduce on one rank only, a count that differs."""
+    bucket = Call("step", "all_reduce", (("tensor", (128, "torch.float32", True, "cpu")),), (), "default", "MainThread")  # fmt: skip
+    mask = bucket._replace(tensors=(("tensor", (24, "torch.int32", True, "cpu")),))
+    assert first_divergence([[bucket, mask], [bucket, mask]]) is None
+    assert "call 1: rank 0" in first_divergence([[bucket, mask], [bucket]])
+    other = bucket._replace(tensors=(("tensor", (112, "torch.float32", True, "cpu")),))
+    assert "rank 2" in first_divergence([[bucket], [bucket], [other]])
+
+
+# -- in-place all_gather_into_tensor on gloo -------------------------------------------------------
+def _gather_in_place(numel: int, dtype_name: str, op: str) -> list[float]:
+    """``gather(out, out[r*n:(r+1)*n])``: the input is this rank's part of the output."""
+    dtype = getattr(torch, dtype_name)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = torch.full((world * numel,), -1, dtype=dtype)
+    mine = out[rank * numel : (rank + 1) * numel]
+    mine.copy_(torch.arange(numel, dtype=dtype) + 1000 * (rank + 1))
+    getattr(dist, op)(out, mine)
+    expected = torch.cat([torch.arange(numel, dtype=dtype) + 1000 * (r + 1) for r in range(world)])
+    assert torch.equal(out, expected), (out, expected)
+    assert mine.data_ptr() == out.data_ptr() + rank * numel * out.element_size()
+    return out.tolist()
+
+
+OPS = [op for op in ("all_gather_into_tensor", "all_gather_single") if hasattr(dist, op)]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize(("world_size", "numel", "dtype"), [(2, 7, "float32"), (3, 16, "int64"), (3, 5, "bfloat16")])  # fmt: skip
+def test_all_gather_into_tensor_works_in_place_on_gloo(world_size, numel, dtype, op):
+    results = run_distributed(_gather_in_place, world_size, numel, dtype, op, timeout=60)
+    assert all(r == results[0] for r in results)
+
+
+# -- the suite is hermetic --------------------------------------------------------------------------
+def _backend_from_the_environment() -> tuple[str, str | None, bool]:
+    info = torchshard.init_distributed()
+    return dist.get_backend(), os.environ.get("CUDA_VISIBLE_DEVICES"), info.device.type == "cpu"
+
+
+def test_workers_see_no_gpu_in_the_cpu_suite(request):
+    """tests/conftest.py hides CUDA, so init_distributed() picks gloo even on a GPU box."""
+    if request.config.getoption("--gpu"):
+        pytest.skip("--gpu: this session keeps the GPUs visible")
+    results = run_distributed(
+        _backend_from_the_environment, 2, init_process_group=False, timeout=60
+    )
+    assert results == [("gloo", "", True)] * 2
