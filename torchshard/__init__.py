@@ -1,7 +1,14 @@
 """torchshard: data-parallel PyTorch training with one flat buffer of weights per device."""
 
 from ._dist import DistInfo, init_distributed
-from ._errors import BindError, DataError, LayoutError, RankMismatchError, TorchShardError
+from ._errors import (
+    BindError,
+    DataError,
+    DeviceError,
+    LayoutError,
+    RankMismatchError,
+    TorchShardError,
+)
 from ._flat.layout import FlatLayout, ParamSlot
 from ._flat.module import FlatParamModule
 from ._log import set_log_ranks
@@ -15,6 +22,7 @@ __all__ = [
     "BindError",
     "CommStats",
     "DataError",
+    "DeviceError",
     "DistInfo",
     "DistributedTrainer",
     "FlatLayout",
