@@ -40,7 +40,8 @@ class Context:
     trainable: tuple[int, ...]
     """Slot indices of the parameters that require grad."""
     divide_first: bool
-    """Divide gradients before reducing them (float16: a sum over ranks would overflow)."""
+    """Scale each bucket by ``1/world_size`` before reducing it (float16, where a sum over
+    ranks would overflow, or a mode that prefers it; never with ``mean_op``)."""
     mean_op: dist.ReduceOp | None = None
     """``ReduceOp.AVG`` when the backend averages natively (NCCL): no division pass after."""
 
@@ -79,6 +80,9 @@ class Mode:
     """The buffer is padded so that every rank's slice has the same length."""
     norm_is_partial: bool = False
     """``local_grad`` is this rank's part only: the norm is summed across ranks."""
+    divides_first: bool = False
+    """Without a native average, scale each bucket by ``1/world_size`` as it launches
+    (DDP's order: the bucket is warm, the pass overlaps backward, none is left after)."""
 
     def mask_elements(self, n_trainable: int, world_size: int, align: int) -> int:
         """Elements to reserve just before the flat gradient for the used-parameter mask."""

@@ -102,7 +102,7 @@ class Reducer:
         if ctx.world_size > 1:
             view = grad[bucket.start : bucket.end]
             if ctx.divide_first:
-                view.div_(ctx.world_size)
+                view.mul_(1.0 / ctx.world_size)  # DDP's: times the reciprocal, not a division
             self.works.append(self.mode.launch(ctx, bucket, view))
         self.launched_in_backward += in_backward
 

@@ -14,6 +14,8 @@ __all__ = ["Replicated"]
 class Replicated(Mode):
     """All-reduce each bucket; the used-parameter mask rides in the last bucket launched."""
 
+    divides_first = True  # as DDP: each bucket times 1/world as it launches, bitwise DDP's
+
     def __init__(self) -> None:
         self._store: torch.Tensor | None = None  # [used mask | padded | flat gradient]
         self._mask: torch.Tensor | None = None

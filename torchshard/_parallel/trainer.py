@@ -122,12 +122,15 @@ class DistributedTrainer:
 
         self._params = tuple(p for _, p in fm.named_flat_views())
         self._trainable = tuple(i for i, s in enumerate(layout.slots) if s.requires_grad)
-        # NCCL averages natively (ReduceOp.AVG: a pre-multiplied sum, no division pass).
-        # Elsewhere float16, which tops out at 65504, is divided before the sum, as DDP
-        # does: a sum over ranks overflows where the mean would not. bf16 and fp32 keep
-        # divide-after (exact for a power-of-two world; what the bitwise DDP tests pin).
+        # NCCL averages natively (ReduceOp.AVG: a pre-multiplied sum, no extra pass).
+        # Elsewhere a bucket is scaled by 1/world as it launches: float16 must be (it tops
+        # out at 65504: a sum over ranks overflows where the mean would not), and the
+        # replicated mode does so always, as DDP does (the bucket is warm, the pass
+        # overlaps backward). The sharded mode divides its slice after, in the master dtype.
         self._mean_op = native_mean(self._group, self.device)
-        self._divide_first = fm.dtype == torch.float16 and self._mean_op is None
+        self._divide_first = self._mean_op is None and (
+            fm.dtype == torch.float16 or self._mode.divides_first
+        )
         self._ctx = Context(
             fm=fm,
             group=self._group,
@@ -239,10 +242,11 @@ class DistributedTrainer:
         if op == "mean" and self._mean_op is not None:
             dist.all_reduce(flat, op=self._mean_op, group=self._group)
             return
-        if op == "mean" and self._divide_first:
+        fp16 = flat.dtype == torch.float16  # a sum could overflow: divide first
+        if op == "mean" and fp16:
             flat.div_(self.world_size)
         dist.all_reduce(flat, op=_REDUCE_OPS[op], group=self._group)
-        if op == "mean" and not self._divide_first:
+        if op == "mean" and not fp16:
             flat.div_(self.world_size)
 
     @torch.no_grad()
