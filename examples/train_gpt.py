@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import math
 import os
@@ -194,10 +195,16 @@ def decided_by_rank0(decide, device):
     one node a checkpoint that another does not see yet (a non-shared directory differs
     for good); ranks that branch on their own look then part ways, some entering a
     collective (a barrier, a load) that the others never join, and the job hangs until
-    the collective timeout. ``device``: where the backend's tensors live (the trainer's)."""
-    answer = [decide() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(answer, src=0, device=device)
-    return answer[0]
+    the collective timeout. ``device``: where the backend's tensors live (the trainer's).
+    The answer travels as JSON in a byte tensor (paths become strings): no pickle."""
+    data = json.dumps(decide(), default=str).encode() if dist.get_rank() == 0 else b""
+    size = torch.tensor([len(data)], device=device)
+    dist.broadcast(size, src=0)
+    buf = torch.zeros(int(size), dtype=torch.uint8, device=device)  # once per run
+    if data:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src=0)
+    return json.loads(bytes(buf.cpu().tolist()))
 
 
 def forever(batches):
