@@ -377,6 +377,12 @@ class SafetensorsReader:
 
     def read_into(self, name: str, start: int, stop: int, dst: torch.Tensor) -> None:
         """Copy elements ``[start, stop)`` of tensor ``name`` (flattened) into CPU tensor ``dst``."""
+        if dst.device.type != "cpu" or not dst.is_contiguous():
+            # the bytes are written through dst's address: a device pointer would crash
+            raise ValueError(
+                f"read into contiguous host memory, then copy to the device; got a "
+                f"{'contiguous' if dst.is_contiguous() else 'non-contiguous'} tensor on {dst.device}"
+            )
         e = self.entries.get(name)
         if e is None:
             raise CheckpointError(f"{self.path}: has no tensor {name!r}")
