@@ -91,9 +91,14 @@ class OptimizerView:
         return None if v is None else v.detach().reshape(-1)
 
     def scalars(self, n_slots: int) -> tuple[dict[str, dict[str, Any]], list[bool]]:
-        """Scalar state per slot (``None``: no state) and which slots have state, from this rank."""
+        """Scalar state per slot (``None``: no state) and which slots have state, from this rank.
+
+        Tensor scalars (Adam's ``step``; on the GPU with ``fused`` or ``capturable``) are
+        read together, one host read per device and dtype, not one sync per parameter.
+        """
         out: dict[str, dict[str, Any]] = {}
         stateful = [False] * n_slots
+        pending: dict[tuple[torch.device, torch.dtype], list[tuple[list, int, torch.Tensor]]] = {}
         for seg in self.segments:
             state = self.optimizer.state.get(seg.tensor, {})
             if state:
@@ -109,12 +114,19 @@ class OptimizerView:
                             "parameter's nor a scalar; this optimizer is not supported"
                         )
                     spec["dtype"] = dtype_name(v.dtype)
-                    v = v.item()
-                elif v is not None and not isinstance(v, (int, float, bool)):
+                    pending.setdefault((v.device, v.dtype), []).append(
+                        (spec["values"], seg.slot, v.detach().reshape(()))
+                    )
+                    continue
+                if v is not None and not isinstance(v, (int, float, bool)):
                     raise CheckpointError(
                         f"optimizer state {key!r}: {type(v).__name__} values are not supported"
                     )
                 spec["values"][seg.slot] = v
+        for items in pending.values():
+            read = torch.stack([v for _, _, v in items]).tolist()
+            for (values, slot, _), x in zip(items, read):
+                values[slot] = x
         return out, stateful
 
     def groups_json(self) -> list[dict[str, Any]]:
