@@ -75,11 +75,16 @@ def _check_compatible(meta: Metadata, t: Target, optimizer: torch.optim.Optimize
 def _read_share(
     meta: Metadata, t: Target, optimizer: torch.optim.Optimizer | None, readers: Readers
 ) -> dict[str, Any]:
-    """Read this rank's element range of weights and optimizer state, and the buffers, to host."""
+    """Read this rank's element range of weights and optimizer state, and the buffers, to host.
+
+    Into plain (pageable) host memory, also for a CUDA trainer: each byte crosses to
+    the device once, and page-locking it first would cost about as much as the faster
+    copy saves; torch's pinned allocator would also round each buffer up to a power of
+    two and keep it pinned after the load.
+    """
     layout = t.fm.layout
     s, e = state_ranges(layout, t.world)[t.rank]
-    pin = t.device.type == "cuda"
-    weights = torch.zeros(e - s, dtype=layout.torch_dtype, pin_memory=pin)
+    weights = torch.zeros(e - s, dtype=layout.torch_dtype)
     for shard in meta.weights:
         lo, hi = shard["slots"]
         for slot in layout.slots[lo:hi]:
@@ -111,7 +116,7 @@ def _read_share(
                 host = torch.zeros(layout.numel, dtype=dtype)
                 mine = host[s:e]
             else:
-                host = mine = torch.zeros(e - s, dtype=dtype, pin_memory=pin)
+                host = mine = torch.zeros(e - s, dtype=dtype)
             for file, fs, fe in meta.optim.files:
                 ov = overlap((fs, fe), (s, e))
                 if ov is not None:
@@ -164,6 +169,9 @@ def _apply(
         return
     assert meta.optim is not None
     view = OptimizerView.of(optimizer, t)
+    # Everything was checked and load_state_dict replaces the state: drop the old state
+    # now, so that it and the loaded one are never held at once.
+    optimizer.state.clear()
     # The sharded trainer's optimizer holds this rank's range only: no exchange needed.
     own = optimizer is t.sharded_optimizer
     lo = s if own else 0
