@@ -94,13 +94,19 @@ class Checkpointer:
         self._writer.settle()
         return load(self.root if path is None else path, trainer, optimizer=optimizer)
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Host memory kept page-locked for staging CUDA saves (0 on CPU): exactly this
+        rank's share of the largest save so far, until :meth:`close`."""
+        return self._writer.pinned_bytes
+
     def latest(self) -> Path | None:
         """The newest complete checkpoint under the root, or ``None``."""
         found = complete_checkpoints(self.root)
         return found[-1][1] if found else None
 
     def close(self) -> None:
-        """Wait for the save in flight and release the staging memory."""
+        """Wait for the save in flight and release the staging memory (unpinning it)."""
         self._writer.close()
 
     def __enter__(self) -> Checkpointer:

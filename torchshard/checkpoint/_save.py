@@ -1,12 +1,15 @@
 """Sharded checkpoints: per-rank safetensors shards, written in the background, committed atomically.
 
 An async save stages this rank's share (its run of whole parameters, its flat
-range of optimizer state; which ones is ``_plan``'s arithmetic) into host
-memory that is reused across saves, then a background thread writes and
-fsyncs the files into ``ROOT/.tmp-step-N``; a blocking save on CPU writes
-straight from the live tensors instead. The background thread never runs a
-collective: the ranks meet through the process group's store
-(``_rendezvous``), in four steps:
+range of optimizer state; which ones is ``_plan``'s arithmetic) into one block
+of host memory that is reused across saves (on CUDA, page-locked to the byte:
+see :class:`HostArena`), then a background thread writes and fsyncs the files
+into ``ROOT/.tmp-step-N``; a blocking save on CPU writes straight from the live
+tensors instead. Ranges that are zeros (padding, parameters without optimizer
+state) are never staged: the writer writes the zeros. The background thread
+binds the trainer's CUDA device before anything else and never runs a
+collective: the ranks meet through the process group's store (``_rendezvous``),
+in four steps:
 
 1. prepare: rank 0 creates ``ROOT/.tmp-step-N``; the others wait for it.
 2. write: every rank writes and fsyncs its files and reports their records.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import os
 import shutil
 import threading
@@ -88,7 +92,9 @@ class CheckpointFuture:
         return self._future.exception()
 
 
-_Copy = tuple[torch.Tensor, torch.Tensor | None]  # (host destination, source); None: zeros
+_Copy = tuple[torch.Tensor, torch.Tensor]  # (host destination, source)
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
 
 @dataclass
@@ -106,6 +112,112 @@ class _Share:
     cuda_done: torch.cuda.Event | None = None  # staged on a side stream: when that is done
 
 
+def _cuda_check(rc: Any, what: str) -> None:
+    """Raise if a CUDA runtime call returned an error code (``cudaSuccess`` is 0)."""
+    code = int(rc)
+    if code != 0:
+        raise CheckpointError(f"checkpoint staging memory: {what} failed with CUDA error {code}")
+
+
+def _unpin(block: torch.Tensor) -> None:
+    _cuda_check(
+        torch.cuda.cudart().cudaHostUnregister(block.data_ptr()),
+        f"cudaHostUnregister of {block.numel()} bytes",
+    )
+
+
+class HostArena:
+    """One block of host memory that each save carves its staging copies from, grown on
+    demand (to exactly what the save needs) and never shrunk, so memory stays bounded.
+
+    For CUDA the block is a plain allocation page-locked with ``cudaHostRegister``,
+    exactly its size, and unregistered when it is replaced or released. Torch's
+    pinned allocator (``pin_memory=True``) would round every block up to a power of
+    two and keep freed blocks pinned for the life of the process.
+    """
+
+    def __init__(self) -> None:
+        self.block: torch.Tensor | None = None
+        self._unpin: weakref.finalize | None = None  # unregisters the block; set while pinned
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes page-locked for CUDA staging (0 when nothing is, or on CPU)."""
+        return self.block.numel() if self.block is not None and self._unpin is not None else 0
+
+    def reserve(self, nbytes: int, pin: bool) -> torch.Tensor:
+        """At least ``nbytes`` bytes (uint8), page-locked if ``pin``. The previous block is
+        replaced only if too small (or not pinned when it must be): the caller makes sure
+        no copy into it is still running."""
+        block = self.block
+        if block is None or block.numel() < nbytes or (pin and nbytes and self._unpin is None):
+            self.release()  # first: the old and the new block never coexist
+            block = torch.empty(nbytes, dtype=torch.uint8)
+            if pin and nbytes:
+                _cuda_check(
+                    torch.cuda.cudart().cudaHostRegister(
+                        block.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE
+                    ),
+                    f"cudaHostRegister of {nbytes} bytes (page-locking host memory for the "
+                    "copies from the GPU; the save did not start)",
+                )
+                self._unpin = weakref.finalize(self, _unpin, block)
+                self._unpin.atexit = False  # at exit the process's memory goes anyway
+            self.block = block
+        return block
+
+    def release(self) -> None:
+        """Unregister (if pinned) and drop the block."""
+        unpin, self._unpin, self.block = self._unpin, None, None
+        if unpin is not None:
+            unpin()
+
+    def carve(self, specs: list[tuple[torch.Size, torch.dtype]], pin: bool) -> list[torch.Tensor]:
+        """Host tensors of these shapes and dtypes, laid out in order in one block of
+        exactly their size (plus alignment for each dtype)."""
+        offsets, total = [], 0
+        for shape, dtype in specs:
+            size = dtype.itemsize
+            total = -(-total // size) * size
+            offsets.append(total)
+            total += math.prod(shape) * size
+        block = self.reserve(total, pin)
+        return [
+            block[o : o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for o, (shape, dtype) in zip(offsets, specs)
+        ]
+
+
+class _Fence:
+    """What ``optimizer.step()`` waits for while a save's staging copies may still run.
+
+    Registered once per optimizer as a step pre-hook; it holds this, not the writer.
+    """
+
+    def __init__(self) -> None:
+        self.staged = threading.Event()  # CPU: cleared while the writer thread copies
+        self.staged.set()
+        self.cuda: tuple[torch.cuda.Event, torch.device] | None = None  # CUDA: the copies' event
+
+    def __call__(self, *_: Any) -> None:
+        self.staged.wait()
+        pending = self.cuda
+        if pending is not None:
+            done, device = pending
+            # on the GPU: the step's kernels wait for the copies; the host does not block
+            torch.cuda.current_stream(device).wait_event(done)
+
+
+def _bind_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device (a no-op elsewhere).
+
+    A new thread's current device is 0: its first CUDA call (an event sync) would
+    otherwise create a context on GPU 0, for every rank of the node.
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class Writer:
     """Host staging memory reused across saves, one background thread, one save in flight."""
 
@@ -113,35 +225,31 @@ class Writer:
         self.timeout = timeout
         self.heartbeat_timeout = heartbeat_timeout
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torchshard-ckpt")
-        self._staging: dict[str, torch.Tensor] = {}
+        self.arena = HostArena()
         self._inflight: CheckpointFuture | None = None
-        self._staged = threading.Event()
-        self._staged.set()
+        self._fence = _Fence()
         self._fenced: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._copying: torch.cuda.Event | None = None  # the last save's copies from the GPU
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes page-locked for staging CUDA saves: exactly the largest save's share."""
+        return self.arena.pinned_bytes
 
     # -- staging ------------------------------------------------------------------------
-    def buffer(
-        self, key: str, numel: int, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """A host tensor for ``key``, grown on demand, never shrunk: memory stays bounded."""
-        nbytes = numel * dtype.itemsize
-        raw = self._staging.get(key)
-        if raw is None or raw.numel() < nbytes:
-            pin = device.type == "cuda"
-            raw = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
-            self._staging[key] = raw
-        return raw[:nbytes].view(dtype)
+    def _copies_done(self) -> None:
+        """Block until the last save's copies into the staging memory are over. Its writer
+        thread waited for them, unless it failed first: then the memory must not be
+        reused or unpinned under a running copy."""
+        copying, self._copying = self._copying, None
+        if copying is not None:
+            copying.synchronize()
 
     def fence(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make ``optimizer.step()`` wait until a background staging copy is complete."""
+        """Make ``optimizer.step()`` wait until the staging copies of the save in flight are done."""
         if optimizer in self._fenced:
             return
-        staged = self._staged
-
-        def wait_for_staging(*_: Any) -> None:
-            staged.wait()
-
-        optimizer.register_step_pre_hook(wait_for_staging)
+        optimizer.register_step_pre_hook(self._fence)
         self._fenced.add(optimizer)
 
     # -- one save ----------------------------------------------------------------------------
@@ -175,22 +283,42 @@ class Writer:
         target = Target(obj)
         seq = target.coord.next_sequence() if target.coord is not None else 0
         root = Path(root)
-        cuda = target.device.type == "cuda"
+        device = _resolve(target.device)
+        cuda = device.type == "cuda"
+        # The previous save is over (waited for above), and so are its copies from the GPU
+        # even if its writer failed before waiting for them: its staging memory is free.
+        self._copies_done()
         # A save the caller waits for writes host tensors straight from where they live.
         staged = cuda or not blocking
-        buffer = self.buffer if staged else None
-        share, copies = _collect(target, root, step, optimizer, extra_json, buffer)
+        carve = (lambda sources: self.arena.carve(sources, pin=cuda)) if staged else None
+        share, early, late = _collect(target, root, step, optimizer, extra_json, carve)
         background: list[_Copy] | None = None
         if cuda:
-            # enqueued on a side stream; the optimizer's stream waits for it
-            share.cuda_done = _stage(copies, target.device)
+            # Enqueued on a side stream after the work already queued. Forward changes the
+            # module buffers: the current stream waits for their (small) copies at once.
+            # With an optimizer, only its step waits for the rest (a GPU-side wait in its
+            # step pre-hook); without one nothing says when the weights change, so the
+            # current stream waits for every copy (still on the GPU: the host goes on).
+            early_done, share.cuda_done = _stage_cuda(early, late, device)
+            self._copying = share.cuda_done
+            current = torch.cuda.current_stream(device)
+            if optimizer is None:
+                current.wait_event(share.cuda_done)
+            else:
+                if early_done is not None:
+                    current.wait_event(early_done)
+                self._fence.cuda = (share.cuda_done, device)
+                self.fence(optimizer)
         elif staged and optimizer is not None:
-            self._staged.clear()  # staged in the background; optimizer.step() waits
+            _stage_cpu(early)  # forward changes the module buffers: copy them now
+            self._fence.staged.clear()  # the rest in the background; optimizer.step() waits
             self.fence(optimizer)
-            background = copies
+            background = late
         elif staged:
-            _stage(copies, target.device)  # nothing tells us when the weights change: copy now
-        future = self._pool.submit(self._write, target, share, root, seq, keep_last, background)
+            _stage_cpu(early + late)  # nothing tells us when the weights change: copy now
+        future = self._pool.submit(
+            self._write, target, device, share, root, seq, keep_last, background
+        )
         result = CheckpointFuture(future)
         self._inflight = result
         return result
@@ -198,6 +326,7 @@ class Writer:
     def _write(
         self,
         t: Target,
+        device: torch.device,
         share: _Share,
         root: Path,
         seq: int,
@@ -205,16 +334,20 @@ class Writer:
         background: list[_Copy] | None,
     ) -> Path:
         """The background thread's part of a save: the four steps of the module docstring."""
-        tmp = tmp_dir(root, share.step)
+        tmp = tmp_dir(root, share.step)  # (these two make no CUDA call)
         meet = Rendezvous(t, seq, share.path, share.step, self.timeout, self.heartbeat_timeout)
         try:
+            _bind_device(device)  # before this thread's first CUDA call
             if background is not None:
                 try:
-                    _stage(background, t.device)
+                    _stage_cpu(background)
                 finally:
-                    self._staged.set()
+                    self._fence.staged.set()
             if share.cuda_done is not None:
                 share.cuda_done.synchronize()
+                pending = self._fence.cuda
+                if pending is not None and pending[0] is share.cuda_done:
+                    self._fence.cuda = None  # copied: later steps need not wait
             if t.rank == 0:  # 1. prepare
                 prepare(root, tmp, share.path)
                 meet.prepared(tmp)
@@ -268,7 +401,9 @@ class Writer:
                 concurrent.futures.wait([inflight._future])
         finally:
             self._pool.shutdown(wait=True)
-            self._staging.clear()
+            self._fence.cuda = None
+            self._copies_done()
+            self.arena.release()
 
 
 def _collect(
@@ -277,11 +412,12 @@ def _collect(
     step: int,
     optimizer: torch.optim.Optimizer | None,
     extra: dict[str, Any],
-    buffer: Callable[[str, int, torch.dtype, torch.device], torch.Tensor] | None,
-) -> tuple[_Share, list[_Copy]]:
+    carve: Callable[[list[tuple[torch.Size, torch.dtype]]], list[torch.Tensor]] | None,
+) -> tuple[_Share, list[_Copy], list[_Copy]]:
     """This rank's share, as ``_plan`` places it, and the copies that stage it into the
-    host memory that ``buffer`` hands out (``None``: the files are written straight from
-    the live tensors, for a save the caller waits for)."""
+    host tensors that ``carve`` hands out (``None``: the files are written straight from
+    the live tensors, for a save the caller waits for): the module buffers' copies, then
+    the others. Ranges that are zeros are counts in the share, never copies."""
     layout, fm = t.fm.layout, t.fm
     flat = fm.flat_param
     assert flat is not None
@@ -291,42 +427,46 @@ def _collect(
     if view is not None and view.flat_keys:
         segments = [(seg.start, seg.end) for seg in view.segments]
     share = _Share(step_dir(root, step), step, plan_share(layout, t.world, t.rank, segments))
-    copies: list[_Copy] = []
     (lo, hi), (base, end) = share.plan.slots, share.plan.span
-    if hi > lo:
-        host = flat[base:end]
-        if buffer is not None:
-            host = buffer("weights", end - base, fm.dtype, t.device)
-            copies.append((host, flat[base:end]))
-        for s in layout.slots[lo:hi]:
-            share.weights.append((s.name, host[s.offset - base : s.end - base].view(s.shape)))
     buffers = t.buffers() if t.rank == 0 else {}
-    for name, b in buffers.items():
-        host = b.detach().contiguous()
-        if buffer is not None:
-            host = buffer(f"buffer:{name}", b.numel(), b.dtype, t.device).view(b.shape)
-            copies.append((host, b.detach()))
-        share.weights.append((name, host))
-        share.buffer_bytes += b.numel() * b.element_size()
+    # What is written from live tensors, each in the dtype of its file entry, in staging
+    # order: the module buffers first, then this rank's run of weights, then the state.
+    sources = [(b.detach(), b.dtype) for b in buffers.values()]
+    if hi > lo:
+        sources.append((flat.detach()[base:end], fm.dtype))
+    optim: list[tuple[str, torch.dtype, list[torch.Tensor | int]]] = []
     if segments is not None:
         assert view is not None
-        s0, e0 = share.plan.state_range
         for key, dtype in view.flat_keys.items():
             parts = [(p, _part(view, p, key)) for p in share.plan.pieces]
-            if buffer is not None:
-                host = buffer(f"optim:{key}", e0 - s0, dtype, t.device)
-                copies += [(host[p.start - s0 : p.end - s0], part) for p, part in parts]
-                share.optim.append((key, dtype, [host]))
-            else:
-                direct = [p.end - p.start if part is None else part for p, part in parts]
-                share.optim.append((key, dtype, direct))
+            pieces = [p.end - p.start if part is None else part for p, part in parts]
+            optim.append((key, dtype, pieces))
+            sources += [(x, dtype) for x in pieces if isinstance(x, torch.Tensor)]
+    if carve is not None:
+        hosts = carve([(src.shape, dtype) for src, dtype in sources])
+        copies = [(host, src) for host, (src, _) in zip(hosts, sources)]
+    else:
+        hosts, copies = [src.contiguous() for src, _ in sources], []
+    staged = iter(hosts)
+    buffer_hosts = [next(staged) for _ in buffers]
+    if hi > lo:
+        host = next(staged)
+        for s in layout.slots[lo:hi]:
+            share.weights.append((s.name, host[s.offset - base : s.end - base].view(s.shape)))
+    for (name, b), host in zip(buffers.items(), buffer_hosts):
+        share.weights.append((name, host))
+        share.buffer_bytes += b.numel() * b.element_size()
+    for key, dtype, pieces in optim:
+        share.optim.append(
+            (key, dtype, [x if isinstance(x, int) else next(staged) for x in pieces])
+        )
     if t.rank == 0:
         optim_meta = view.metadata(scalars) if view is not None else None
         config = transformers_config(t.fm.module, layout.torch_dtype)
         share.metadata = build_metadata(
             layout, t.world, step, list(buffers), optim_meta, extra, config
         )
-    return share, copies
+    return share, copies[: len(buffers)], copies[len(buffers) :]
 
 
 def _part(view: OptimizerView, piece: Piece, key: str) -> torch.Tensor | None:
@@ -338,23 +478,43 @@ def _part(view: OptimizerView, piece: Piece, key: str) -> torch.Tensor | None:
     return None if src is None else src[piece.start - seg.start : piece.end - seg.start]
 
 
-def _stage(copies: list[_Copy], device: torch.device) -> torch.cuda.Event | None:
-    """Run the staging copies: on CUDA, enqueued on a side stream that the current stream
-    waits for (returns the event that marks them done); elsewhere, at once."""
-    if device.type == "cuda":
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for dst, src in copies:
-                dst.zero_() if src is None else dst.copy_(src, non_blocking=True)
-        done = torch.cuda.Event()
+def _resolve(device: torch.device) -> torch.device:
+    """``device`` with its index (``cuda`` alone means the calling thread's current one)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+@torch.no_grad()
+def _stage_cpu(copies: list[_Copy]) -> None:
+    """Run staging copies at once."""
+    for dst, src in copies:
+        dst.copy_(src)
+
+
+@torch.no_grad()
+def _stage_cuda(
+    first: list[_Copy], rest: list[_Copy], device: torch.device
+) -> tuple[torch.cuda.Event | None, torch.cuda.Event]:
+    """Enqueue staging copies on a side stream, after the work queued so far on the
+    current stream (they read what it writes); ``first``, then ``rest``. Returns the events
+    that mark ``first`` done (``None`` if empty) and all of them done. Nothing here makes
+    the current stream wait: the caller decides. The sources are persistent tensors
+    (weights, buffers, optimizer state) that outlive the copies: no ``record_stream``."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    first_done = None
+    with torch.cuda.stream(side):
+        for dst, src in first:
+            dst.copy_(src, non_blocking=True)
+        if first:
+            first_done = torch.cuda.Event()
+            first_done.record(side)
+        for dst, src in rest:
+            dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event(blocking=True)  # the writer thread sleeps in synchronize()
         done.record(side)
-        torch.cuda.current_stream(device).wait_event(done)  # updates wait on the GPU
-        return done
-    with torch.no_grad():
-        for dst, src in copies:
-            dst.zero_() if src is None else dst.copy_(src)
-    return None
+    return first_done, done
 
 
 def _as_checkpoint_error(e: BaseException) -> CheckpointError:
@@ -416,11 +576,23 @@ def async_save(
     """Start saving a checkpoint of ``trainer`` (and ``optimizer``) as ``root/step-N``; return at once.
 
     Every rank calls it at the same step. This rank's share is copied into
-    reused host memory (in the background when ``optimizer`` is given:
-    ``optimizer.step()`` waits for that copy; without it, before returning),
-    then written, fsynced and committed by a background thread. One save is
-    in flight at a time: the next call waits for this one, and raises if it
-    failed unobserved.
+    host memory reused across saves, then written, fsynced and committed by a
+    background thread. One save is in flight at a time: the next call waits
+    for this one, and raises if it failed unobserved.
+
+    What waits for the copy: the module buffers (which forward changes) are
+    copied first, before anything queued after this call. With ``optimizer``,
+    the rest is copied in the background and only ``optimizer.step()`` waits
+    for it (on CUDA a GPU-side wait, enqueued by a step pre-hook: forward and
+    backward run meanwhile, and the host never blocks). Code that changes the
+    weights or the optimizer state in place other than through that step must
+    ``wait()`` for the future first. Without ``optimizer`` nothing says when
+    the weights change: on CPU the copy is made before returning, on CUDA every
+    kernel queued after this call waits for it (the host does not).
+
+    On CUDA the staging memory is page-locked to the byte (``cudaHostRegister``):
+    as many bytes as this rank's share, kept until the next larger save needs
+    more or the writer closes.
 
     Example::
 
