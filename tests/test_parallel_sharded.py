@@ -221,14 +221,51 @@ def _loss_curve(dtype: torch.dtype, steps: int) -> dict:
     torch.manual_seed(0)
     fm = FlatParamModule(Model(), dtype=dtype)
     trainer = DistributedTrainer(fm, shard=True)
-    trainer.make_optimizer(torch.optim.AdamW, lr=3e-3, weight_decay=0.0)
+    opt = trainer.make_optimizer(torch.optim.AdamW, lr=3e-3, weight_decay=0.0)
+    # The oracle: a plain fp32 AdamW over copies of the tensors the trainer's optimizer steps
+    # (the rank's slice of the master in bf16, of the buffer in fp32), fed each step the same
+    # gradients; the trainer's master must follow it bitwise, and the bf16 buffer must hold
+    # the master rounded to bf16.
+    segments = trainer.optimizer_segments()
+    ref_params = {id(t): torch.nn.Parameter(t.detach().clone()) for *_, t in segments}
+    ref = torch.optim.AdamW(
+        [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [ref_params[id(p)] for p in g["params"]],
+            }
+            for g in opt.param_groups
+            if all(id(p) in ref_params for p in g["params"])
+        ]
+    )
+    assert sum(len(g["params"]) for g in ref.param_groups) == len(segments) > 0
+    flat = fm.flat_param
+    checks = {"master_dtypes": set(), "grad_dtypes": set(), "master_vs_ref": 0.0}
+    checks |= {"slice_vs_master": 0.0, "steps_with_extra_bits": 0, "steps_master_moved": 0}
     losses = []
     for step in range(steps):
         trainer.zero_grad()
         loss = fm(*pattern_batch(trainer.rank, step))[1]
         loss.backward()
         trainer.clip_grad_norm_(1.0)
+        before = {id(t): t.detach().clone() for *_, t in segments}
+        for *_, t in segments:
+            checks["grad_dtypes"].add(str(t.grad.dtype))
+            ref_params[id(t)].grad = t.grad.detach().clone()  # the clipped, averaged gradient
         trainer.step()
+        ref.step()
+        extra_bits = moved = False
+        for _, a, b, t in segments:
+            checks["master_dtypes"].add(str(t.dtype))
+            diff = (t.detach() - ref_params[id(t)].detach()).abs().max().item()
+            checks["master_vs_ref"] = max(checks["master_vs_ref"], diff)
+            rounded = t.detach().to(flat.dtype)
+            diff = (flat[a:b].float() - rounded.float()).abs().max().item()
+            checks["slice_vs_master"] = max(checks["slice_vs_master"], diff)
+            extra_bits |= bool((t.detach() != rounded.to(t.dtype)).any())
+            moved |= bool((t.detach() != before[id(t)]).any())
+        checks["steps_with_extra_bits"] += extra_bits
+        checks["steps_master_moved"] += moved
         mean = loss.detach().float().reshape(1)
         dist.all_reduce(mean)
         losses.append(mean.item() / trainer.world_size)
@@ -236,6 +273,7 @@ def _loss_curve(dtype: torch.dtype, steps: int) -> dict:
     master = trainer._mode._master
     out = {
         "losses": losses,
+        "checks": checks,
         "mem": mem,
         "master_dtype": None if master is None else str(master.dtype),
         "flat_dtype": str(fm.flat_param.dtype),
@@ -252,6 +290,21 @@ def test_bf16_with_fp32_master_follows_the_fp32_loss_curve():
     bf16 = run_distributed(_loss_curve, 2, torch.bfloat16, steps, timeout=180)[0]
     assert bf16["flat_dtype"] == "torch.bfloat16" and bf16["master_dtype"] == "torch.float32"
     assert fp32["master_dtype"] is None
+    # The master is what the optimizer steps, and it is used: every step it follows a plain
+    # fp32 AdamW fed the same (bf16-reduced, fp32-clipped) gradients bitwise, it moves, it
+    # holds bits bf16 cannot (it is not a bf16 tensor in fp32 clothes), and the bf16 buffer
+    # holds exactly the master rounded to bf16. A trainer that stepped the bf16 slice
+    # directly, never copied the master back, or lost the master's low bits fails here.
+    c = bf16["checks"]
+    assert c["master_dtypes"] == {"torch.float32"} and c["grad_dtypes"] == {"torch.float32"}, c
+    assert c["master_vs_ref"] == 0.0, c
+    assert c["slice_vs_master"] == 0.0, c
+    assert c["steps_master_moved"] == steps, c
+    assert c["steps_with_extra_bits"] == steps, c
+    # fp32: the optimizer steps the buffer itself, the same oracle holds, no extra bits
+    c = fp32["checks"]
+    assert c["master_vs_ref"] == 0.0 and c["slice_vs_master"] == 0.0, c
+    assert c["steps_with_extra_bits"] == 0 and c["steps_master_moved"] == steps, c
     a, b = torch.tensor(fp32["losses"]), torch.tensor(bf16["losses"])
     assert a[-10:].mean() < 0.5 * a[:5].mean()  # the task is learnt
     # bf16 keeps 8 bits of mantissa (relative rounding 2**-9 = 0.2%); forward and backward in
