@@ -189,6 +189,51 @@ def _dumped(tmpdir: str, rank: int) -> str:
     return ""
 
 
+DUMP_DEADLINE = 10.0  # seconds a hung rank gets to write its stacks after SIGUSR1
+
+
+def _in_handler(pid: int, signum: int) -> bool | None:
+    """Whether ``signum`` is pending on process ``pid`` or blocked in one of its threads (Linux,
+    from /proc): True while its handler has yet to run or is still running (the kernel blocks
+    the signal in the handling thread for the handler's duration; faulthandler.register without
+    ``chain`` does not ask for SA_NODEFER). None where /proc cannot tell."""
+    bit = 1 << (signum - 1)
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue  # the thread has exited
+        if any(int(fields.get(k, "0"), 16) & bit for k in ("SigPnd", "ShdPnd", "SigBlk")):
+            return True
+    return False
+
+
+def _dump_stacks(procs: dict[int, Any], ranks: list[int], tmpdir: str) -> dict[int, str]:
+    """Ask each rank in ``ranks`` (alive, hung) for its Python stacks (faulthandler on SIGUSR1)
+    and read them once written: polls until each rank's dump is non-empty and its handler has
+    returned (or the rank is gone), up to DUMP_DEADLINE; no fixed sleep to race a busy box."""
+    for rank in ranks:
+        with suppress(OSError):
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+    waiting, deadline = set(ranks), time.monotonic() + DUMP_DEADLINE
+    while waiting and time.monotonic() < deadline:
+        for rank in sorted(waiting):
+            alive = procs[rank].is_alive()
+            written = bool(_dumped(tmpdir, rank)) and not _in_handler(
+                procs[rank].pid, signal.SIGUSR1
+            )
+            if written or not alive:
+                waiting.discard(rank)
+        if waiting:
+            time.sleep(0.02)  # poll interval, not a synchronisation
+    return {rank: _dumped(tmpdir, rank) or "(no stack dumped)" for rank in ranks}
+
+
 def _collect(
     procs: dict[int, Any],
     conns: dict[int, Connection],
@@ -308,11 +353,7 @@ def run_distributed(
                     head += f"; ranks {pending} were still running and were killed"
                 raise WorkerError(_message(head, errors, pids), errors, pids)
             if pending:
-                for rank in pending:  # each hung rank dumps its stacks (faulthandler)
-                    with suppress(OSError):
-                        os.kill(pids[rank], signal.SIGUSR1)
-                time.sleep(0.5)
-                stacks = {rank: _dumped(tmpdir, rank) or "(no stack dumped)" for rank in pending}
+                stacks = _dump_stacks(procs, pending, tmpdir)  # each hung rank's (faulthandler)
                 head = (
                     f"ranks {pending} of {world_size} did not finish within {timeout:g} s"
                     " and were killed; their stacks:"
