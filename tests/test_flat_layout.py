@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import pytest
 import torch
 from gpt import GPT, GPTConfig
 from torch import nn
 
-from torchshard import FlatLayout, LayoutError
+from torchshard import FlatLayout, LayoutError, ParamSlot
 
 
 def meta_gpt(**overrides) -> GPT:
@@ -70,12 +71,58 @@ def test_fingerprint_is_pinned():
     assert layout.fingerprint() == "4160070f1c86b7c30710e924e6b9a41f"
 
 
-def test_fingerprint_sees_every_field():
-    base = FlatLayout.from_module(meta_gpt())
-    model = meta_gpt()
-    model.ln_f.bias.requires_grad_(False)
-    assert FlatLayout.from_module(model).fingerprint() != base.fingerprint()
-    assert FlatLayout.from_module(meta_gpt(), align_bytes=32).fingerprint() != base.fingerprint()
+def _base_dict() -> dict:
+    d = FlatLayout.from_module(meta_gpt()).to_dict()
+    assert d["slots"][0][0] == "wte.weight" and d["slots"][0][5] == ["lm_head.weight"]
+    d["numel"] += 8  # room after the last slot, so that its offset can move alone
+    return d
+
+
+def _set_slot(index: int, field: int, value):
+    def mutate(d: dict) -> None:
+        d["slots"][index][field] = value(d["slots"][index][field])
+
+    return mutate
+
+
+# One valid mutation per field of the layout's description (to_dict), each alone. A slot's
+# dtype is the layout's and its numel the product of its shape: no field of their own there.
+_MUTATIONS = {
+    "dtype": lambda d: d.update(dtype="float64"),  # offsets stay aligned: 16 bytes = 2 elements
+    "align_bytes": lambda d: d.update(align_bytes=8),
+    "numel": lambda d: d.update(numel=d["numel"] + 4),
+    "name": _set_slot(-1, 0, lambda _: "ln_f.renamed"),
+    "shape": _set_slot(0, 1, lambda shape: shape[::-1]),  # same numel
+    "offset": _set_slot(-1, 2, lambda offset: offset + 4),
+    "requires_grad": _set_slot(-1, 4, lambda _: False),
+    "aliases": _set_slot(0, 5, lambda _: []),  # untied
+}
+
+
+def test_every_field_has_a_fingerprint_mutation():
+    layout_fields = {f.name for f in fields(FlatLayout)} - {"slots"}
+    slot_fields = {f.name for f in fields(ParamSlot)} - {"dtype", "numel"}
+    assert layout_fields | slot_fields == set(_MUTATIONS)
+
+
+@pytest.mark.parametrize("field", sorted(_MUTATIONS))
+def test_fingerprint_sees_every_field(field):
+    base = FlatLayout.from_dict(_base_dict())
+    d = _base_dict()
+    _MUTATIONS[field](d)
+    changed = FlatLayout.from_dict(d)  # a valid layout that differs in this field only
+    assert changed.to_dict() == d and changed != base
+    assert changed.fingerprint() != base.fingerprint()
+    assert changed.first_difference(base) is not None
+
+
+def test_fingerprint_sees_the_format(monkeypatch):
+    import torchshard._flat.layout as layout_module
+
+    layout = FlatLayout.from_dict(_base_dict())
+    before = layout.fingerprint()
+    monkeypatch.setattr(layout_module, "_LAYOUT_FORMAT", layout_module._LAYOUT_FORMAT + 1)
+    assert layout.fingerprint() != before
 
 
 def test_first_difference_names_the_parameter():
