@@ -66,7 +66,8 @@ def assert_same(fm, opt, ref_fm, ref_opt, where: str) -> None:
             assert torch.equal(torch.as_tensor(st[k]), torch.as_tensor(ref_st[k])), f"{where}: {k}"
 
 
-def _phase(root: str, snapshot: str, kind: str, first: bool, use_async: bool) -> dict:
+def _phase(root: str, snapshot: str, kind: str, saved_at: int | None, use_async: bool) -> dict:
+    """One phase at this world size; ``saved_at``: the previous phase's world (None: first)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234)  # the first phase's starting point; later ones load
     fm = torchshard.FlatParamModule(Model())
@@ -77,10 +78,11 @@ def _phase(root: str, snapshot: str, kind: str, first: bool, use_async: bool) ->
     ref_trainer = torchshard.DistributedTrainer(ref_fm)
     ref_opt = make_optimizer(kind, ref_fm)
     start, info = 0, None
-    if not first:
+    if saved_at is not None:
         info = checkpoint.load(root, trainer, optimizer=opt)
         start = info.step
-        assert info.extra == {"kind": kind, "saved_at_world": info.extra["saved_at_world"]}
+        assert info.extra == {"kind": kind, "saved_at_world": saved_at}, info.extra
+        assert info.path.name == f"step-{start:08d}" and str(info.path).startswith(root)
         state = torch.load(snapshot, weights_only=True)  # the oracle's carried state
         ref_fm.load_state_dict(state["model"])
         ref_opt.load_state_dict(state["optim"])
@@ -105,7 +107,7 @@ def _phase(root: str, snapshot: str, kind: str, first: bool, use_async: bool) ->
     dist.barrier()
     trainer.close()
     ref_trainer.close()
-    return {"bytes_read": info.bytes_read if info else 0}
+    return {"bytes_read": info.bytes_read if info else 0, "step": start}
 
 
 def checkpoint_bytes(root) -> int:
@@ -120,8 +122,12 @@ def test_resume_at_other_world_sizes_continues_bitwise(tmp_path, kind):
     worlds = [4, 3, 2, 1, 4]
     for i, world in enumerate(worlds):
         size_before = checkpoint_bytes(root) if i else 0
-        out = run_distributed(_phase, world, str(root), snap, kind, i == 0, i % 2 == 1, timeout=120)
+        saved_at = worlds[i - 1] if i else None
+        out = run_distributed(
+            _phase, world, str(root), snap, kind, saved_at, i % 2 == 1, timeout=120
+        )
         if i:
+            assert [r["step"] for r in out] == [i * STEPS_PER_PHASE] * world  # the latest one
             # each byte read about once across all ranks, not once per rank
             total = sum(r["bytes_read"] for r in out)
             assert size_before <= total <= 1.05 * size_before, (world, total, size_before)
