@@ -19,6 +19,7 @@ trainer pins nothing; ``read_into`` refuses device memory.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import threading
 import weakref
 from collections.abc import Iterator
@@ -352,6 +353,13 @@ def test_staging_memory_is_pinned_to_the_byte_and_regrown_once(
     (first,) = cuda.calls("register")
     assert first[3] == small == writer.pinned_bytes
     assert small & (small - 1), "a size torch's pinned allocator would round up"
+    # whole pages of its own: no other allocation shares a page that registration locks
+    assert first[2] % mmap.PAGESIZE == 0
+    storage = writer.arena.block.untyped_storage()
+    assert (
+        storage.data_ptr() + storage.nbytes()
+        >= first[2] + -(-small // mmap.PAGESIZE) * mmap.PAGESIZE
+    )
 
     big = small + state_bytes(opt)
     save(cuda, writer, tmp_path, fm, opt, 2).wait()

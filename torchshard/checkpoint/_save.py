@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
+import mmap
 import os
 import shutil
 import threading
@@ -95,6 +96,7 @@ class CheckpointFuture:
 _Copy = tuple[torch.Tensor, torch.Tensor]  # (host destination, source)
 
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+_PAGE = mmap.PAGESIZE
 
 
 @dataclass
@@ -142,7 +144,8 @@ class HostArena:
 
     @property
     def pinned_bytes(self) -> int:
-        """Bytes page-locked for CUDA staging (0 when nothing is, or on CPU)."""
+        """Bytes registered (page-locked) for CUDA staging, 0 when none are; the pages
+        locked cover them, so at most one page more."""
         return self.block.numel() if self.block is not None and self._unpin is not None else 0
 
     def reserve(self, nbytes: int, pin: bool) -> torch.Tensor:
@@ -152,8 +155,14 @@ class HostArena:
         block = self.block
         if block is None or block.numel() < nbytes or (pin and nbytes and self._unpin is None):
             self.release()  # first: the old and the new block never coexist
-            block = torch.empty(nbytes, dtype=torch.uint8)
             if pin and nbytes:
+                # Registration locks whole pages: start on a page of our own, and own the
+                # rest of the last one too, so that no other allocation (another writer's
+                # registered block) shares a page with this one.
+                pages = -(-nbytes // _PAGE) * _PAGE
+                raw = torch.empty(pages + _PAGE, dtype=torch.uint8)
+                start = -raw.data_ptr() % _PAGE
+                block = raw[start : start + nbytes]
                 _cuda_check(
                     torch.cuda.cudart().cudaHostRegister(
                         block.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE
@@ -163,6 +172,8 @@ class HostArena:
                 )
                 self._unpin = weakref.finalize(self, _unpin, block)
                 self._unpin.atexit = False  # at exit the process's memory goes anyway
+            else:
+                block = torch.empty(nbytes, dtype=torch.uint8)
             self.block = block
         return block
 
