@@ -214,8 +214,9 @@ def test_two_groups_save_concurrently_and_each_loads_back_what_it_saved(tmp_path
 
 
 def _keys_are_private() -> list[str]:
-    fm = torchshard.FlatParamModule(torch.nn.Linear(2, 2))
-    a, b = torchshard.DistributedTrainer(fm), torchshard.DistributedTrainer(fm)
+    # one module per live trainer (a module's gradients feed one trainer)
+    a = torchshard.DistributedTrainer(torchshard.FlatParamModule(torch.nn.Linear(2, 2)))
+    b = torchshard.DistributedTrainer(torchshard.FlatParamModule(torch.nn.Linear(2, 2)))
     out = [a.coordinator.prefix, b.coordinator.prefix]
     a.close()
     b.close()
@@ -312,9 +313,8 @@ def _heartbeat_stops_with_its_trainer() -> list[bool]:
     def beating() -> int:
         return sum(t.name.startswith("torchshard-heartbeat") for t in threading.enumerate())
 
-    fm = torchshard.FlatParamModule(torch.nn.Linear(2, 2))
-    closed = torchshard.DistributedTrainer(fm)
-    dropped = torchshard.DistributedTrainer(fm)
+    closed = torchshard.DistributedTrainer(torchshard.FlatParamModule(torch.nn.Linear(2, 2)))
+    dropped = torchshard.DistributedTrainer(torchshard.FlatParamModule(torch.nn.Linear(2, 2)))
     alive = beating()
     closed.close()
     del dropped  # never closed: collected, it must not beat on forever

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 from collections import Counter
 
 import pytest
@@ -132,6 +133,10 @@ def _hooks_per_parameter() -> list[int]:
         DistributedTrainer(fm)
     trainer.close()
     DistributedTrainer(fm).close()  # after close() the module is free again
+    dropped = DistributedTrainer(fm)
+    del dropped  # never closed: once collected, the module is free as well
+    gc.collect()
+    DistributedTrainer(fm).close()
     return counts
 
 

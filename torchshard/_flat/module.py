@@ -68,9 +68,9 @@ class FlatParamModule(nn.Module):
         # name -> (the tensor, its version counter at bind).
         self._unset_buffers: dict[str, tuple[torch.Tensor, int]] = {}
         self._buffer_check: Any = None  # the forward pre-hook that checks them, once
-        # Who hears that a parameter's gradient is ready: [callable(slot) or None]. The
-        # one per-parameter hook calls it (a trainer sets it; see set_grad_listener).
-        self._grad_listener: list[Callable[[int], None] | None] = [None]
+        # Who hears that a parameter's gradient is ready: [WeakMethod of callable(slot) or
+        # None]. The one per-parameter hook calls it (a trainer sets it: _set_grad_listener).
+        self._grad_listener: list[weakref.WeakMethod | None] = [None]
 
     # -- properties -------------------------------------------------------------
     @property
@@ -194,13 +194,16 @@ class FlatParamModule(nn.Module):
         return self
 
     def _set_grad_listener(self, listener: Callable[[int], None] | None) -> None:
-        """Have the per-parameter gradient hook call ``listener(slot)`` (``None``: nobody)."""
-        if listener is not None and self._grad_listener[0] is not None:
+        """Have the per-parameter gradient hook call ``listener(slot)`` (``None``: nobody).
+
+        ``listener`` is a bound method, held weakly: its object's owner keeps it alive."""
+        current = self._grad_listener[0]
+        if listener is not None and current is not None and current() is not None:
             raise TorchShardError(
                 "this FlatParamModule already has a DistributedTrainer; close() it before "
                 "creating another one for the same module"
             )
-        self._grad_listener[0] = listener
+        self._grad_listener[0] = None if listener is None else weakref.WeakMethod(listener)
 
     def _check_buffer(self, what: str, t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor):

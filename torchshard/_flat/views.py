@@ -52,7 +52,7 @@ class Owners:
         owner._parameters[attr] = value
 
 
-GradListener = list  # a one-element cell: [callable(slot index) or None]
+GradListener = list  # a one-element cell: [weakref.WeakMethod of a callable(slot) or None]
 
 
 def install_grad_hooks(
@@ -66,10 +66,11 @@ def install_grad_hooks(
     produced anyway); this hook, which runs right after accumulation, copies
     it into the view and puts the view back, so the stray tensor dies at
     once. The same path repairs ``backward(create_graph=True)``, which
-    replaces ``.grad`` out of place. Then it calls ``listener[0](slot)`` if
-    set (the trainer's reducer): one Python hook per parameter, not two, since
-    hooks run inline on the autograd thread and hold back the next kernel.
-    The hook holds the view and the cell, not the parameter or the module.
+    replaces ``.grad`` out of place. Then it calls the listener in the cell, if
+    set and alive (the trainer's reducer, held weakly: a dropped trainer frees
+    the module): one Python hook per parameter, not two, since hooks run inline
+    on the autograd thread and hold back the next kernel. The hook holds the
+    view and the cell, not the parameter or the module.
     """
 
     def after_accumulate(p: torch.Tensor) -> None:
@@ -78,7 +79,8 @@ def install_grad_hooks(
             with torch.no_grad():
                 gview.copy_(g)
             p.grad = gview
-        ready = listener[0]
+        ref = listener[0]
+        ready = ref() if ref is not None else None
         if ready is not None:
             ready(slot)
 
