@@ -1,6 +1,7 @@
-"""Helpers shared by the benchmark scripts: machine info, timing, peak RSS, tables, JSON.
+"""Helpers shared by the benchmark scripts: machine info, timing, peak RSS, host-read
+counting, a multi-process launcher, tables, JSON.
 
-Only the standard library and torch; nothing here imports torchshard.
+Only the standard library and torch; nothing here imports torchshard (or tests/).
 """
 
 from __future__ import annotations
@@ -9,17 +10,23 @@ import datetime
 import gc
 import json
 import os
+import pickle
 import platform
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,6 +52,7 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "mem_total_bytes": _meminfo_bytes("MemTotal"),
         "git_commit": _git_commit(),
+        "git_dirty": _git_dirty(),
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
@@ -81,6 +89,30 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+# What a result may depend on: uncommitted changes here make it belong to no commit.
+DIRTY_WATCH = ("torchshard", "examples", "benchmarks", ":(exclude)benchmarks/results")
+
+
+def _git_dirty() -> list[str] | None:
+    """Files under :data:`DIRTY_WATCH` that differ from HEAD (``None``: git could not say).
+
+    ``benchmarks/summary.py`` holds a result whose benchmark's paths are among them stale.
+    """
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", *DIRTY_WATCH],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return sorted(line[3:].split(" -> ")[-1] for line in out.stdout.splitlines() if line[3:])
+
+
 # -- timing -----------------------------------------------------------------------------
 class Stopwatch:
     """``with Stopwatch() as sw: ...`` then ``sw.s``: wall seconds of the block.
@@ -106,6 +138,60 @@ class Stopwatch:
 
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
+
+
+class Clock:
+    """``with Clock() as c: ...`` then ``c.wall`` and ``c.cpu``: wall seconds of the block and
+    the process's CPU seconds in it (every thread). CPU time does not see waiting (for a
+    collective, the disk, another process), so the two are reported side by side. No garbage
+    collection here (unlike :class:`Stopwatch`): it times steps back to back."""
+
+    def __enter__(self) -> Clock:
+        self._c0, self._t0 = time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self._t0
+        self.cpu = time.process_time() - self._c0
+
+
+# -- host reads (a host-device synchronization on CUDA), counted on any device -------------------
+HOST_READS = ("_local_scalar_dense", "is_nonzero", "lift_fresh")
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops that read a tensor's value on the host: ``aten._local_scalar_dense``
+    (``.item()``, ``bool()``, ``int()``), ``aten.is_nonzero`` and ``aten.lift_fresh``
+    (``torch.tensor`` of Python data), plus ``Tensor.tolist`` (patched: it does not
+    dispatch). On CUDA each is a host synchronization. ``seen``: name -> count.
+
+    The same counter as tests/test_parallel_hot_path.py (copied: benchmarks import nothing
+    from tests/)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: Counter[str] = Counter()
+        self._tolist = torch.Tensor.tolist
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        if name in HOST_READS:
+            self.seen[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self) -> HostReads:
+        counter, original = self.seen, self._tolist
+
+        def tolist(t: torch.Tensor) -> Any:
+            counter["tolist"] += 1
+            return original(t)
+
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        return super().__exit__(*exc)
 
 
 # -- memory (Linux /proc, with a getrusage fallback elsewhere) ----------------------------
@@ -170,6 +256,61 @@ def run_child(script: str, args: Sequence[str], timeout: float = 600) -> dict[st
     if proc.returncode != 0:
         raise RuntimeError(f"child {list(args)} failed ({proc.returncode}):\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    outdir: str,
+    env: dict[str, str],
+    comm_timeout_s: float,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    timeout = datetime.timedelta(seconds=comm_timeout_s)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    try:
+        result = fn(*args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    Path(outdir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 600,
+    comm_timeout_s: float = 120,
+) -> list[Any]:
+    """``fn(*args)`` on ranks 0..world-1, each a fresh process (spawn) with one torch thread,
+    in a gloo group (rendezvous on a TCPStore this process binds to port 0) and torchrun's
+    environment variables; their return values, by rank. ``fn`` must be importable (module
+    level). Raises if a rank fails, or kills them all after ``timeout_s``."""
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="bench-ranks-") as tmp:
+        ctx = mp.spawn(
+            _rank_main,
+            args=(world, store.port, fn, args, tmp, dict(env or {}), comm_timeout_s),
+            nprocs=world,
+            join=False,
+        )
+        deadline = time.perf_counter() + timeout_s
+        while not ctx.join(timeout=1.0):
+            if time.perf_counter() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"{getattr(fn, '__name__', fn)} at {world} ranks: {timeout_s} s")
+        return [pickle.loads(Path(tmp, f"{r}.pkl").read_bytes()) for r in range(world)]
 
 
 # -- output -----------------------------------------------------------------------------
