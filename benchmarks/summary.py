@@ -3,35 +3,88 @@
     python benchmarks/summary.py                                        # print the table
     python benchmarks/summary.py --write README.md benchmarks/README.md # regenerate the tables
     python benchmarks/summary.py --check README.md benchmarks/README.md # exit 1 if one is stale
+    python benchmarks/summary.py --stale                                # exit 1 if a result is
+                                                                        # older than its code
     python benchmarks/summary.py --results DIR ...                      # read DIR/*.json instead
 
 Reads flat.json (bench_flat.py), trainer.json (bench_trainer.py), sharded.json
-(bench_sharded.py), checkpoint.json (bench_checkpoint.py) and scale.json (scale.py)
-and prints one markdown table row per headline number, with its target, and a line
-with the machine (CPU count, torch version) and date from the files' ``machine``
-info. A missing file makes its rows say "not measured yet".
+(bench_sharded.py), checkpoint.json (bench_checkpoint.py), scale.json (scale.py) and
+run.json (run_all.py: the command, its wall time) and prints one markdown table row per
+headline number: what kind of number it is (measured, paired, counted, computed), the
+result, its target and whether the target is met. A missing file makes its rows say
+"not measured yet".
+
+Paired ratios: each benchmark runs the compared configurations interleaved (step by step,
+or round by round in rotation) and records one ratio per step or round, wall-clock and CPU
+time. A cell shows the median of those ratios with their spread: p10-p90 from 10 ratios
+up, min-max below. A target counts as met only when at least 80% of the paired ratios meet
+it, as missed when at most 20% do; in between it says "unclear".
 
 ``--write`` replaces the text between the lines ``<!-- benchmark-table:begin -->``
 and ``<!-- benchmark-table:end -->`` of each file with the table; ``--check`` exits 1
 (naming the file) where that text differs from what ``--write`` would put there.
-Either exits 2, naming the file, if a file lacks the markers. Stdlib only.
+Either exits 2, naming the file, if a file lacks the markers.
+
+``--stale`` (and tests/test_benchmarks_summary.py) holds each result against the code it
+measured: the result's ``machine.git_commit`` must be an ancestor of HEAD,
+``git log <commit>..HEAD -- <paths it measures>`` (:data:`MEASURES`) must be empty and
+the tree must have been clean there when it ran (``machine.git_dirty``). Where git
+cannot tell (not installed, not a repository, a shallow clone without the commit, no
+commit recorded) that is a failure too, never a pass. Stdlib only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 FILES = ("flat", "trainer", "sharded", "checkpoint", "scale")
+RUN = "run"  # run.json: written by run_all.py
 BEGIN = "<!-- benchmark-table:begin -->"
 END = "<!-- benchmark-table:end -->"
 NOT_MEASURED = "not measured yet"
+MOSTLY = Fraction(4, 5)  # a target is met when at least this share of the paired ratios meet it
+COMMAND = "python benchmarks/run_all.py"
+
+# What each result measured: a commit that changed any of these since the result's commit
+# makes it stale. The benchmark's own script, the shared helpers and the example model and
+# data it runs count too.
+_COMMON = ("benchmarks/_common.py", "examples/gpt.py")
+_TRAINING = (
+    "torchshard/_flat",
+    "torchshard/_parallel",
+    "torchshard/_dist.py",
+    "examples/train_gpt.py",
+)
+MEASURES: dict[str, tuple[str, ...]] = {
+    "flat": ("benchmarks/bench_flat.py", "torchshard/_flat", *_COMMON),
+    "trainer": ("benchmarks/bench_trainer.py", *_TRAINING, *_COMMON),
+    "sharded": ("benchmarks/bench_sharded.py", *_TRAINING, *_COMMON),
+    "checkpoint": (
+        "benchmarks/bench_checkpoint.py",
+        "torchshard/checkpoint",
+        "torchshard/_flat",
+        "torchshard/_parallel",
+        "torchshard/_dist.py",
+        *_COMMON,
+    ),
+    "scale": (
+        "benchmarks/scale.py",
+        "torchshard/_flat",
+        "torchshard/_parallel/memory.py",
+        "torchshard/checkpoint",
+    ),
+}
 
 Results = dict[str, Any]  # file stem ("flat", ...) -> its parsed JSON
 
@@ -41,13 +94,55 @@ class Failed(Exception):
 
 
 def load_results(directory: Path) -> Results:
-    """Every ``<name>.json`` of :data:`FILES` present in ``directory``."""
+    """Every ``<name>.json`` of :data:`FILES` (and run.json) present in ``directory``."""
     out: Results = {}
-    for name in FILES:
+    for name in (*FILES, RUN):
         path = directory / f"{name}.json"
         if path.is_file():
             out[name] = json.loads(path.read_text())
     return out
+
+
+# -- paired ratios: median, spread, verdict --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spread:
+    median: float
+    lo: float
+    hi: float
+    n: int
+
+    @property
+    def kind(self) -> str:
+        return "p10-p90" if self.n >= 10 else "min-max"
+
+    @classmethod
+    def of(cls, xs: Sequence[float]) -> Spread:
+        xs = list(xs)
+        if not xs:
+            raise ValueError("no samples")
+        if len(xs) >= 10:
+            q = statistics.quantiles(xs, n=10, method="inclusive")
+            lo, hi = q[0], q[-1]
+        else:
+            lo, hi = min(xs), max(xs)
+        return cls(statistics.median(xs), lo, hi, len(xs))
+
+
+def spread_text(xs: Sequence[float], digits: int = 2, unit: str = "x") -> str:
+    """``1.03x (p10-p90 0.95-1.12)``: the median and the spread of ``xs``."""
+    s = Spread.of(xs)
+    f = f"{{:.{digits}f}}"
+    return f"{f.format(s.median)}{unit} ({s.kind} {f.format(s.lo)}-{f.format(s.hi)})"
+
+
+def verdict(xs: Sequence[float], target: float) -> str:
+    """``met``/``missed``/``unclear`` and how many of the paired ratios ``xs`` are <= target."""
+    n, k = len(xs), sum(1 for x in xs if x <= target)
+    share = Fraction(k, n)
+    word = "met" if share >= MOSTLY else "missed" if share <= 1 - MOSTLY else "unclear"
+    return f"{word} ({k} of {n} <= {target:g})"
 
 
 def mib(n: float) -> str:
@@ -58,48 +153,84 @@ def gib(n: float, digits: int = 1) -> str:
     return f"{n / 2**30:.{digits}f} GiB"
 
 
-# -- one function per row: results -> "measured" cell --------------------------------------------
+def paired(r: Results, name: str, key: str) -> dict[str, list[float]]:
+    return r[name]["paired"][key]
 
 
-def wrap_7b(r: Results) -> str:
-    layout = r["flat"]["layout"]["7b"]
-    rss_kib = layout["wrap_peak_rss_increase_bytes"] / 2**10
-    return f"{layout['wrap_s_median'] * 1e3:.1f} ms, +{rss_kib:.0f} KiB RSS"
-
-
-def bind_copy(r: Results) -> str:
-    return f"{r['flat']['bind']['ratio_vs_copy_fresh']['bind']:.2f}x (per-parameter copies)"
-
-
-def average_gradients(r: Results) -> str:
-    ratios = r["trainer"]["ratios"]
-    raw = ratios["torchshard_25mb.avg_no_sync / raw_all_reduce"]["paired"]
-    mean = ratios["torchshard_25mb.avg_no_sync / plain_flat_grad_mean"]["paired"]
-    return (
-        f"{raw:.2f}x paired ({mean:.2f}x of a hand-written all-reduce + divide of the same buffer)"
-    )
-
-
-def training_step(r: Results) -> str:
-    ratios = r["trainer"]["ratios"]
-    big, small = (ratios[f"torchshard_{b}.step / ddp.step"]["paired"] for b in ("25mb", "1mb"))
-    cell = f"{big:.2f}x / {small:.2f}x paired"
-    # bench_trainer.py does not time CPU; bench_sharded.py runs the same replicated trainer.
-    try:
-        cpu = sharded(r, "ts_repl")["cpu_vs_ddp"]
-        cell += f"; CPU time {cpu:.2f}x (replicated, `bench_sharded.py`)"
-    except (KeyError, TypeError, Failed):
-        pass
+def wall_cpu(p: dict[str, list[float]], digits: int = 2) -> str:
+    """Wall-clock first, CPU time beside it."""
+    cell = f"wall {spread_text(p['wall'], digits)}"
+    if p.get("cpu"):
+        cell += f", CPU {spread_text(p['cpu'], digits)}"
     return cell
 
 
-def gradient_storage(r: Results) -> str:
-    mem = r["trainer"]["memory_bytes"]
-    ts, ddp = (
-        max(rank["grad_storage_analytic"] for rank in mem[name]["ranks"])
-        for name in ("torchshard_25mb", "ddp")
+def pairs_of(p: dict[str, list[float]], what: str = "pairs") -> str:
+    return f"{len(p['wall'])} {what}"
+
+
+# -- one function per row: results -> (result cell, verdict cell) ---------------------------------
+
+Cell = tuple[str, str]
+
+
+def wrap_7b(r: Results) -> Cell:
+    layout = r["flat"]["layout"]["7b"]
+    rss_kib = layout["wrap_peak_rss_increase_bytes"] / 2**10
+    ms = [1e3 * x for x in layout["wrap_s"]]
+    cpu = [1e3 * x for x in layout["wrap_cpu_s"]]
+    return (
+        f"wall {spread_text(ms, 1, ' ms')}, CPU {spread_text(cpu, 1, ' ms')}; "
+        f"+{rss_kib:.0f} KiB peak RSS",
+        "-",
     )
-    return f"{ts / ddp:.2g}x ({ts / 2**20:.1f} vs {mib(ddp)})"
+
+
+def bind_copy(r: Results) -> Cell:
+    p = paired(r, "flat", "bind / copy_fresh")
+    return f"{wall_cpu(p)}; {pairs_of(p, 'rounds')}", "-"
+
+
+def average_gradients(r: Results) -> Cell:
+    p = paired(r, "trainer", "ts_25mb.avg_no_sync / raw_all_reduce")
+    return f"{wall_cpu(p)}; {pairs_of(p, 'repetitions')}", verdict(p["wall"], 1.05)
+
+
+def training_step(bucket: str) -> Callable[[Results], Cell]:
+    def cell(r: Results) -> Cell:
+        p = paired(r, "trainer", f"ts_{bucket}.step / ddp_{bucket}.step")
+        return f"{wall_cpu(p)}; {pairs_of(p, 'steps')}", verdict(p["wall"], 1.0)
+
+    return cell
+
+
+def host_syncs(r: Results) -> Cell:
+    h = r["trainer"]["host_reads"]
+    per = {
+        name: max(sum(rank[name].values()) for rank in h["by_rank"]) / h["steps"]
+        for name in ("ts_replicated", "ts_sharded", "ddp")
+    }
+    cell = (
+        f"{per['ts_replicated']:g} (replicated) / {per['ts_sharded']:g} (sharded); "
+        f"DDP {per['ddp']:g}; max over ranks, {h['steps']} steps"
+    )
+    ok = per["ts_replicated"] <= per["ddp"] and per["ts_sharded"] <= per["ddp"]
+    return cell, "met" if ok and per["ddp"] == 0 else "missed"
+
+
+def gradient_storage(r: Results) -> Cell:
+    mem, model = r["trainer"]["memory_bytes"], r["trainer"]["memory_model"]
+    held = {k: v["held_bytes_max_over_ranks"] for k, v in mem.items()}
+    analytic = {k: v["ranks"][0]["grad_storage_analytic"] for k, v in mem.items()}
+    ts, ddp, view, plain = (held[k] for k in ("ts_25mb", "ddp_25mb", "ddp_bucket_view", "plain"))
+    cell = (
+        f"{ts / ddp:.2f}x ({mib(ts)} vs {mib(ddp)}; DDP `gradient_as_bucket_view` {mib(view)}, "
+        f"the plain model without communication {mib(plain)}): RSS held after a step beyond "
+        f"the weights of {model['layers']} x Linear({model['width']}, {model['width']}), "
+        f"{mib(analytic['ts_25mb'])} of fp32 gradients; "
+        f"analytic {analytic['ts_25mb'] / analytic['ddp_25mb']:.2g}x"
+    )
+    return cell, "met" if ts < ddp else "missed"
 
 
 def sharded(r: Results, name: str) -> dict[str, Any]:
@@ -109,145 +240,217 @@ def sharded(r: Results, name: str) -> dict[str, Any]:
     return summary
 
 
-def optimizer_state(r: Results) -> str:
-    fp32, bf16 = (
-        f"{sharded(r, n)['opt_state_vs_repl']:.3f}x" for n in ("ts_shard", "ts_shard_bf16")
+def optimizer_state(r: Results) -> Cell:
+    fracs = [sharded(r, n)["opt_state_vs_repl"] for n in ("ts_shard", "ts_shard_bf16")]
+    fp32, bf16 = (f"{x:.3f}x" for x in fracs)
+    cell = f"{fp32} (fp32 and bf16)" if fp32 == bf16 else f"{fp32} / {bf16} (fp32 / bf16)"
+    return f"{cell}: optimizer state tensor bytes", "met" if max(fracs) <= 0.55 else "missed"
+
+
+def sharded_vs(baselines: tuple[str, ...], labels: tuple[str, ...], configs=("ts_shard",)):
+    def cell(r: Results) -> Cell:
+        for name in (*configs, *baselines):
+            sharded(r, name)  # raises Failed for a configuration that failed
+        parts, n = [], 0
+        for c in configs:
+            for b, label in zip(baselines, labels):
+                p = paired(r, "sharded", f"{c}.step / {b}.step")
+                n = len(p["wall"])
+                parts.append(f"{label}: {wall_cpu(p)}")
+        return "; ".join(parts) + f"; {n} steps", "-"
+
+    return cell
+
+
+def blocking_save(r: Results) -> Cell:
+    p = paired(r, "checkpoint", "blocking: torchshard / safetensors")
+    return f"{wall_cpu(p)}; {pairs_of(p, 'rounds')}", verdict(p["wall"], 1.1)
+
+
+def async_blocked(r: Results) -> Cell:
+    p = paired(r, "checkpoint", "blocked: async / blocking")
+    diff = paired(r, "checkpoint", "step diff: async / blocking")
+    return (
+        f"{spread_text(p['wall'], 3)}; the `opt.step()` after the save vs its no-save twin: "
+        f"{spread_text(diff['wall'], 3)}; {pairs_of(p, 'rounds')}",
+        verdict(p["wall"], 0.05),
     )
-    return f"{fp32} (fp32 and bf16)" if fp32 == bf16 else f"{fp32} / {bf16} (fp32 / bf16)"
 
 
-def sharded_cpu(r: Results) -> str:
-    fp32, bf16 = (sharded(r, n)["cpu_vs_ddp"] for n in ("ts_shard", "ts_shard_bf16"))
-    try:
-        fsdp2 = f"FSDP2 {sharded(r, 'fsdp2')['cpu_vs_ddp']:.2f}x"
-    except Failed:
-        fsdp2 = "FSDP2 failed (error in `sharded.json`)"
-    return f"{fp32:.2f}x / {bf16:.2f}x; {fsdp2}"
+def async_lost(r: Results) -> Cell:
+    p = paired(r, "checkpoint", "lost: async / blocking")
+    return (
+        f"wall {spread_text(p['wall'])}, CPU added {spread_text(p['cpu'])}; "
+        f"{pairs_of(p, 'rounds')}",
+        verdict(p["wall"], 0.1),
+    )
 
 
-def blocking_save(r: Results) -> str:
-    b = r["checkpoint"]["blocking"]
-    median = b["median_s"]["torchshard"] / b["median_s"]["safetensors"]
-    fastest = min(b["samples_s"]["torchshard"]) / min(b["samples_s"]["safetensors"])
-    return f"{median:.2f}x (fastest samples {fastest:.2f}x)"
+def bytes_read(r: Results) -> Cell:
+    ratio = r["checkpoint"]["resume"]["read_ratio"]["3"]
+    return f"{ratio:.3f}x", "met" if ratio <= 1.05 else "missed"
 
 
-def async_vs_blocking(r: Results, key: str) -> float:
-    ck = r["checkpoint"]
-    return ck["training"]["median_s"]["torchshard"][key] / ck["blocking"]["median_s"]["torchshard"]
+def resume_3_vs_2(r: Results) -> Cell:
+    p = paired(r, "checkpoint", "load: world 3 / world 2")
+    return f"{wall_cpu(p)}; {pairs_of(p, 'rounds')}", verdict(p["wall"], 1.3)
 
 
-def async_blocked(r: Results) -> str:
-    return f"{async_vs_blocking(r, 'blocked'):.3f}x"
-
-
-def async_lost(r: Results) -> str:
-    return f"{async_vs_blocking(r, 'lost'):.2f}x"
-
-
-def bytes_read(r: Results) -> str:
-    return f"{r['checkpoint']['resume']['loads']['3']['read_ratio']:.3f}x"
-
-
-def resume_3_vs_2(r: Results) -> str:
-    loads = r["checkpoint"]["resume"]["loads"]
-    median = loads["3"]["median_s"] / loads["2"]["median_s"]
-    fastest = min(loads["3"]["max_over_ranks_s"]) / min(loads["2"]["max_over_ranks_s"])
-    return f"{median:.2f}x (fastest {fastest:.2f}x)"
-
-
-def host_memory(r: Results) -> str:
+def host_memory(r: Results) -> Cell:
     mem = r["checkpoint"]["memory"]
     load = mem["load"]["peak_increase"] / mem["load"]["state_bytes"]
     rss = mem["repeat"]["rss_after_each_save"]
     growth = rss[-1] / rss[1]
-    trend = "flat" if abs(growth - 1) < 0.01 else "grows"
+    flat = abs(growth - 1) < 0.01
     return (
         f"+{mib(mem['save']['peak_increase'])} / +{load:.1f}x state / "
-        f"{trend} (save {len(rss)} / save 2: {growth:.3f}x)"
+        f"{'flat' if flat else 'grows'} (save {len(rss)} / save 2: {growth:.3f}x)",
+        "met" if flat else "missed",
     )
 
 
-def scale_1024(r: Results) -> str:
+def scale_1024(r: Results) -> Cell:
     (row,) = (x for x in r["scale"]["rows"] if x["world"] == 1024)
     total = sum(row[k] for k in ("parameters", "gradients", "optimizer", "master"))
     return (
         f"{row['metadata_bytes'] / 2**10:.0f} KiB / {gib(total)} "
         f"(bf16 params + grads {gib(row['parameters'] + row['gradients'])}; "
         f"AdamW state + fp32 master {gib(row['optimizer'] + row['master'], 2)}, "
-        f"{gib(row['replicated_12_bytes'])} replicated)"
+        f"{gib(row['replicated_12_bytes'])} replicated)",
+        "-",
     )
 
 
 @dataclass(frozen=True)
 class Row:
     what: str
-    measure: Callable[[Results], str]
+    how: str  # measured / measured, paired / counted / computed
+    measure: Callable[[Results], Cell]
     target: str
     needs: tuple[str, ...]  # result files without which the row is "not measured yet"
 
 
+PAIRED = "measured, paired"
 ROWS = (
-    Row("wrap a 7B GPT built on meta", wrap_7b, "seconds, little memory", ("flat",)),
+    Row("wrap a 7B GPT built on meta", "measured", wrap_7b, "seconds, little memory", ("flat",)),
     Row(
         "`bind` copy of 125M fp32 weights vs `copy_` into fresh memory",
+        PAIRED,
         bind_copy,
         "-",
         ("flat",),
     ),
     Row(
-        "`average_gradients()` vs one raw `all_reduce` of the same bytes",
+        "`average_gradients()` vs one raw `all_reduce` of the same bytes (2 ranks)",
+        PAIRED,
         average_gradients,
         "<= 1.05",
         ("trainer",),
     ),
-    Row("training step vs DDP (25 MiB buckets / 1 MiB)", training_step, "<= 1.0", ("trainer",)),
-    Row("gradient storage vs DDP's default", gradient_storage, "below DDP", ("trainer",)),
+    Row(
+        "training step vs DDP, 25 MiB buckets (both)",
+        PAIRED,
+        training_step("25mb"),
+        "<= 1.0",
+        ("trainer",),
+    ),
+    Row(
+        "training step vs DDP, 1 MiB buckets (both: `DDP(bucket_cap_mb=1)`)",
+        PAIRED,
+        training_step("1mb"),
+        "<= 1.0",
+        ("trainer",),
+    ),
+    Row(
+        "host syncs per training step, every parameter used (SGD)",
+        "counted",
+        host_syncs,
+        "0, as DDP without `find_unused_parameters`",
+        ("trainer",),
+    ),
+    Row(
+        "gradient storage vs DDP's default",
+        "measured",
+        gradient_storage,
+        "below DDP",
+        ("trainer",),
+    ),
     Row(
         "sharded optimizer state per rank vs replicated, 2 ranks",
+        "measured",
         optimizer_state,
         "<= 0.55",
         ("sharded",),
     ),
-    Row("sharded step CPU time vs DDP (fp32 / bf16); FSDP2", sharded_cpu, "-", ("sharded",)),
+    Row(
+        "sharded step (`shard=True`, fp32) vs DDP",
+        PAIRED,
+        sharded_vs(("ddp",), ("fp32",), ("ts_shard",)),
+        "-",
+        ("sharded",),
+    ),
+    Row(
+        "sharded step (`shard=True`, bf16 with fp32 master) vs DDP",
+        PAIRED,
+        sharded_vs(("ddp",), ("bf16",), ("ts_shard_bf16",)),
+        "-",
+        ("sharded",),
+    ),
+    Row(
+        "sharded step vs FSDP2 `fully_shard(reshard_after_forward=False)` "
+        "(same memory class) / FSDP2 default (ZeRO-3)",
+        PAIRED,
+        sharded_vs(
+            ("fsdp2_keep", "fsdp2_zero3"), ("vs `reshard_after_forward=False`", "vs ZeRO-3")
+        ),
+        "-",
+        ("sharded",),
+    ),
     Row(
         "blocking save vs `safetensors.save_file` + fsync (1 GB)",
+        PAIRED,
         blocking_save,
         "<= 1.1",
         ("checkpoint",),
     ),
     Row(
-        "time the loop is blocked by an async save vs a blocking save",
+        "time the loop is blocked by an async save vs by a blocking save in the same loop",
+        PAIRED,
         async_blocked,
         "<= 0.05",
         ("checkpoint",),
     ),
     Row(
-        "training time lost to an async save vs a blocking save",
+        "training time lost to an async save vs to a blocking save in the same loop",
+        PAIRED,
         async_lost,
         "<= 0.1",
         ("checkpoint",),
     ),
     Row(
         "bytes read when resuming at 3 ranks vs the checkpoint",
+        "measured",
         bytes_read,
         "<= 1.05",
         ("checkpoint",),
     ),
     Row(
         "resume at 3 ranks vs at 2 (3 processes on 2 cores)",
+        PAIRED,
         resume_3_vs_2,
         "<= 1.3",
         ("checkpoint",),
     ),
     Row(
         "host memory: blocking save / load / 5 async saves",
+        "measured",
         host_memory,
         "bounded",
         ("checkpoint",),
     ),
     Row(
         "70B Llama at 1024 ranks (`scale.py`): metadata.json / memory per rank",
+        "computed (the save path's metadata, `plan_memory`)",
         scale_1024,
         "-",
         ("scale",),
@@ -255,39 +458,142 @@ ROWS = (
 )
 
 
-def measured(row: Row, results: Results) -> str:
+def measured(row: Row, results: Results) -> Cell:
     if any(name not in results for name in row.needs):
-        return NOT_MEASURED
+        return NOT_MEASURED, "-"
     try:
         return row.measure(results)
     except Failed as e:
-        return str(e)
+        return str(e), "-"
     except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError):
-        return NOT_MEASURED  # a file from an older script that lacks the field
+        return NOT_MEASURED, "-"  # a file from an older script that lacks the field
 
 
 def machine_line(results: Results) -> str:
-    machines = [r["machine"] for r in results.values() if isinstance(r.get("machine"), dict)]
-    if not machines:
+    runs = {k: v for k, v in results.items() if k in FILES and isinstance(v.get("machine"), dict)}
+    if not runs:
         return "Machine: not measured yet."
+    machines = list(runs.values())
 
     def distinct(key: str) -> list[str]:
-        return sorted({str(m[key]) for m in machines if m.get(key) is not None})
+        return sorted({str(m["machine"][key]) for m in machines if m["machine"].get(key)})
 
-    cpus, torch = " / ".join(distinct("cpu_count")), " / ".join(distinct("torch"))
-    dates = sorted({str(m["date"])[:10] for m in machines if m.get("date")})
+    cpus, torch, model = (" / ".join(distinct(k)) for k in ("cpu_count", "torch", "cpu"))
+    dates = sorted({str(m["machine"]["date"])[:10] for m in machines if m["machine"].get("date")})
     when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}" if dates else "?"
-    return (
-        f"Machine: {cpus or '?'} CPUs, torch {torch or '?'}; measured {when} "
-        "(`machine` in `benchmarks/results/*.json`)."
+    commits: dict[str, list[str]] = {}
+    for name, m in runs.items():
+        commits.setdefault(str(m["machine"].get("git_commit") or "unknown")[:10], []).append(name)
+    if len(commits) == 1:
+        commit = f"commit {next(iter(commits))}"
+    else:
+        commit = "commits " + ", ".join(f"{c} ({', '.join(n)})" for c, n in commits.items())
+    loads = [m["machine"]["loadavg"][0] for m in machines if m["machine"].get("loadavg")]
+    load = f"; 1-min load average {min(loads):.1f}-{max(loads):.1f} at the starts" if loads else ""
+    line = (
+        f"Machine: {cpus or '?'} CPUs ({model or '?'}), torch {torch or '?'}; {commit}; "
+        f"measured {when}{load} (`machine` in `benchmarks/results/*.json`)."
     )
+    run = results.get(RUN)
+    if run:
+        parts = ", ".join(f"{k} {v['wall_s'] / 60:.1f}" for k, v in run["scripts"].items())
+        line += f" Regenerated by `{run['command']}` in {run['total_s'] / 60:.1f} min ({parts})."
+    else:
+        line += f" Not regenerated by `{COMMAND}` (no run.json)."
+    return line
 
 
 def table(results: Results) -> str:
     """The markdown table and the machine line, without a trailing newline."""
-    lines = ["| what | measured | target |", "|---|---|---|"]
-    lines += [f"| {row.what} | {measured(row, results)} | {row.target} |" for row in ROWS]
+    lines = ["| what | how | result | target | verdict |", "|---|---|---|---|---|"]
+    for row in ROWS:
+        cell, verdict_cell = measured(row, results)
+        lines.append(f"| {row.what} | {row.how} | {cell} | {row.target} | {verdict_cell} |")
     return "\n".join([*lines, "", machine_line(results)])
+
+
+# -- staleness: results against the code they measured ---------------------------------------------
+
+
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def stale(results: Results, repo: Path = REPO) -> list[str]:
+    """Why results are not known to be current, one line each (empty: every one is).
+
+    A result is current when its ``machine.git_commit`` is an ancestor of HEAD, no commit
+    since touched the paths it measures (:data:`MEASURES`), and none of those paths had
+    uncommitted changes when it ran (``machine.git_dirty``). Not knowing is a problem too:
+    no git, no repository, a shallow clone that lacks the commit, no commit recorded.
+    """
+    problems: list[str] = []
+    try:
+        ok = _git(repo, "rev-parse", "--is-inside-work-tree")
+    except (OSError, subprocess.SubprocessError) as e:
+        return [f"cannot check the results against the code: git failed to run ({e})"]
+    if ok.returncode != 0 or ok.stdout.strip() != "true":
+        return [f"cannot check the results against the code: {repo} is not a git work tree"]
+    shallow = _git(repo, "rev-parse", "--is-shallow-repository").stdout.strip() == "true"
+    for name in FILES:
+        if name not in results:
+            problems.append(f"{name}.json: missing; run {COMMAND}")
+            continue
+        machine = results[name].get("machine") or {}
+        commit = machine.get("git_commit")
+        if not commit:
+            problems.append(f"{name}.json: records no commit (machine.git_commit); run {COMMAND}")
+            continue
+        paths = MEASURES[name]
+        if _git(repo, "cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
+            hint = (
+                "this is a shallow clone: fetch the history (git fetch --unshallow)"
+                if shallow
+                else f"the commit is not in this repository; run {COMMAND}"
+            )
+            problems.append(f"{name}.json: measured at {commit[:10]}, unknown here: {hint}")
+            continue
+        if _git(repo, "merge-base", "--is-ancestor", commit, "HEAD").returncode != 0:
+            problems.append(
+                f"{name}.json: measured at {commit[:10]}, not an ancestor of HEAD; run {COMMAND}"
+            )
+            continue
+        log = _git(repo, "log", "--format=%h %s", f"{commit}..HEAD", "--", *paths)
+        if log.returncode != 0:
+            problems.append(f"{name}.json: git log failed: {log.stderr.strip()}")
+        elif log.stdout.strip():
+            changes = log.stdout.strip().splitlines()
+            problems.append(
+                f"{name}.json: measured at {commit[:10]}; {len(changes)} later commit(s) change "
+                f"what it measures ({', '.join(paths)}), e.g. {changes[0]}; run {COMMAND}"
+            )
+        dirty = machine.get("git_dirty")
+        if dirty is None:
+            problems.append(
+                f"{name}.json: does not record whether the tree was clean; run {COMMAND}"
+            )
+        else:
+            touched = [f for f in dirty if any(f == p or f.startswith(p + "/") for p in paths)]
+            if touched:
+                problems.append(
+                    f"{name}.json: measured with uncommitted changes to {', '.join(touched)}: "
+                    f"it belongs to no commit; commit, then run {COMMAND}"
+                )
+    commits = {
+        str((results[n].get("machine") or {}).get("git_commit")) for n in FILES if n in results
+    }
+    if RUN in results:
+        commits.add(str((results[RUN].get("machine") or {}).get("git_commit")))
+    else:
+        problems.append(f"run.json: missing; run {COMMAND}")
+    if len(commits) > 1:
+        problems.append(
+            f"the results come from {len(commits)} commits ({', '.join(sorted(c[:10] for c in commits))}),"
+            f" not one; run {COMMAND}"
+        )
+    return problems
 
 
 # -- --write / --check ---------------------------------------------------------------------------
@@ -315,9 +621,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--write", nargs="+", type=Path, metavar="FILE")
     mode.add_argument("--check", nargs="+", type=Path, metavar="FILE")
+    mode.add_argument("--stale", action="store_true", help="exit 1 if a result is out of date")
     p.add_argument("--results", type=Path, default=RESULTS, help="default: %(default)s")
     args = p.parse_args(argv)
-    block = table(load_results(args.results)) + "\n"
+    results = load_results(args.results)
+    if args.stale:
+        problems = stale(results)
+        for line in problems:
+            print(line, file=sys.stderr)
+        return 1 if problems else 0
+    block = table(results) + "\n"
     files: list[Path] = args.write or args.check or []
     if not files:
         print(block, end="")
@@ -330,14 +643,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     if args.check:
-        stale = [path for path, (_, between, _) in parts.items() if between != block]
-        for path in stale:
+        out_of_date = [path for path, (_, between, _) in parts.items() if between != block]
+        for path in out_of_date:
             print(
                 f"{path}: benchmark table is out of date; run "
                 f"python benchmarks/summary.py --write {path}",
                 file=sys.stderr,
             )
-        return 1 if stale else 0
+        return 1 if out_of_date else 0
     for path, (head, between, tail) in parts.items():
         if between != block:
             path.write_text(head + block + tail)
