@@ -1,7 +1,7 @@
 """Benchmark torchshard checkpoints against safetensors, dd and torch.distributed.checkpoint.
 
-    python benchmarks/bench_checkpoint.py [--size-gb 1.0] [--steps 10] [--repeats 3]
-                                          [--train-repeats 4]
+    python benchmarks/bench_checkpoint.py [--size-gb 1.0] [--steps 10] [--repeats 4]
+                                          [--train-repeats 4] [--resume-repeats 4]
                                           [--dir /tmp] [--out benchmarks/results/checkpoint.json]
 
 State: a GPT (examples/gpt.py, n_embd 768, vocab 256, n_layer to fit) in fp32 with AdamW's
@@ -12,18 +12,23 @@ deleted, then ``sync`` and (where permitted) ``echo 3 > /proc/sys/vm/drop_caches
 1. Blocking save (world of one): ``checkpoint.save(root, fm, optimizer=opt)`` vs safetensors
    ``save_file`` of the same tensors (cloned before timing) + fsync vs ``dd bs=64M`` of as many
    bytes, ``conv=fsync`` and ``oflag=direct``. A warm-up round, then --repeats rounds in
-   rotating order; medians.
+   rotating order; per round the ratio torchshard / save_file (wall, and CPU time of this
+   process and its children).
 2. Training time lost to one save: --steps steps with a save issued after step 2's
-   ``opt.step()`` and waited for after the last, minus the same steps without (all configs
-   in each of --train-repeats rounds, rotating). blocked = time in the save call + the
-   wait of the next ``opt.step()`` (step pre-hooks around torchshard's fence; "step diff":
-   that opt.step() minus its no-save twin). cpu+ = process CPU seconds over the no-save
-   loop. torchshard: ``Checkpointer.save``; DCP: ``dcp.async_save({"model", "optim"})`` on
-   a gloo world of one. One untimed save of each first (torchshard then reuses its staging
-   memory).
-3. Resume: save at world 2 (tests/multiprocess.py, gloo, 1 thread per rank), load at 2, 3, 1
-   (--repeats loads each, page cache dropped before each): max over ranks of
-   ``checkpoint.load``; bytes_read summed over ranks.
+   ``opt.step()`` (and, when async, waited for after the last), minus the same steps
+   without. Configurations, all of them in each of --train-repeats rounds, rotating:
+   no save; ``checkpoint.save`` (blocking) inside the loop, the baseline; torchshard's async
+   ``Checkpointer.save``; DCP's ``dcp.async_save({"model", "optim"})`` on a gloo world of
+   one. blocked = time in the save call + the wait of the next ``opt.step()`` (step
+   pre-hooks around torchshard's fence; "step diff": that opt.step() minus its no-save
+   twin). cpu+ = process CPU seconds over the no-save loop. One untimed save of each first
+   (torchshard then reuses its staging memory). Per round, the async save's lost and
+   blocked time over the blocking save's lost time in that round.
+3. Resume: save at world 2 (fresh processes, gloo, 1 thread per rank), then --resume-repeats
+   rounds of one load at each of world 2, 3 and 1, in an order rotated every round, each in
+   fresh processes (a resume starts that way), page cache dropped before it: max over ranks
+   of ``checkpoint.load`` (wall and CPU); bytes_read summed over ranks. Per round, the ratio
+   world 3 / world 2.
 4. Host memory, a fresh process each: peak RSS increase over the RSS before of a blocking
    save, a load into a fresh optimizer, ``save_file``, DCP ``async_save``; the RSS after each
    of 5 async ``Checkpointer`` saves.
@@ -37,7 +42,6 @@ import os
 import resource
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -56,16 +60,16 @@ from _common import (
     median,
     rss_bytes,
     run_child,
+    run_ranks,
     write_json,
 )
 from safetensors.torch import save_file
+from summary import spread_text, verdict
 
 from torchshard import DistributedTrainer, FlatParamModule, checkpoint
 
 add_examples_to_path()
-sys.path.insert(0, str(REPO / "tests"))
 from gpt import GPT, GPTConfig, init_gpt_weights  # noqa: E402
-from multiprocess import run_distributed  # noqa: E402
 
 now = time.perf_counter
 SAVE_AT = 2  # the save is issued after this step's opt.step()
@@ -111,9 +115,13 @@ def weights_sum(fm) -> float:
     return sum(float(p.detach().double().sum()) for p in fm.parameters())
 
 
-def cpu_s() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
+def cpu_s(children: bool = False) -> float:
+    """CPU seconds of this process (every thread), plus its waited-for children if asked."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)[: 2 if children else 1]:
+        ru = resource.getrusage(who)
+        total += ru.ru_utime + ru.ru_stime
+    return total
 
 
 def drop_caches() -> bool:
@@ -167,24 +175,38 @@ def part_blocking(fm, opt, work: Path, repeats: int) -> dict:
         "dd_fsync": dd("conv=fsync"),
         "dd_direct": dd("oflag=direct"),
     }
-    samples, written, names = defaultdict(list), {}, list(methods)
+    samples, cpu, written, names = defaultdict(list), defaultdict(list), {}, list(methods)
     for rep in range(-1, repeats):  # round -1: warm-up (first touch of memory), not recorded
         for name in names[rep % 4 :] + names[: rep % 4]:
             fresh(work)
-            t0 = now()
+            c0, t0 = cpu_s(children=True), now()
             written[name] = methods[name]()
             if rep >= 0:
                 samples[name].append(now() - t0)
+                cpu[name].append(cpu_s(children=True) - c0)
     fresh(work)
     med = {k: median(v) for k, v in samples.items()}
     gbps = {k: written[k] / med[k] / 1e9 for k in med}
-    return {"samples_s": samples, "median_s": med, "bytes_written": written, "gb_per_s": gbps}
+    paired = {
+        f"{a} / {b}": {
+            "wall": [x / y for x, y in zip(samples[a], samples[b])],
+            "cpu": [x / y for x, y in zip(cpu[a], cpu[b])],
+        }
+        for a, b in (("torchshard", "safetensors"), ("torchshard", "dd_fsync"))
+    }
+    return {"samples_s": samples, "cpu_s": cpu, "median_s": med, "bytes_written": written,
+            "gb_per_s": gbps, "paired": paired}  # fmt: skip
 
 
 # -- 2. training time lost to one checkpoint --------------------------------------------------------
 def part_training(fm, opt, work: Path, cfg: GPTConfig, steps: int, repeats: int) -> dict:
     batches = [batch(cfg.block_size, 100 + i) for i in range(steps)]
     starts = {"none": None}
+
+    def blocking(i: int) -> None:  # the baseline: the loop waits for the whole save
+        checkpoint.save(work / "blocking", fm, step=i, optimizer=opt)
+
+    starts["blocking"] = blocking
     ckpt = checkpoint.Checkpointer(work / "ts", keep_last=None)
     starts["torchshard"] = lambda i: ckpt.save(fm, step=i, optimizer=opt).wait
     dcp_error = None
@@ -197,7 +219,9 @@ def part_training(fm, opt, work: Path, cfg: GPTConfig, steps: int, repeats: int)
     marks: dict[str, float] = {}
     opt.register_step_pre_hook(lambda *_: marks.__setitem__("enter", now()))
     for name in list(starts)[1:]:  # warm-up; from here torchshard's fence hook is registered
-        starts[name](0)()
+        wait = starts[name](0)
+        if wait:
+            wait()
     opt.register_step_pre_hook(lambda *_: marks.__setitem__("fenced", now()))
 
     def loop(start) -> dict:
@@ -231,12 +255,32 @@ def part_training(fm, opt, work: Path, cfg: GPTConfig, steps: int, repeats: int)
         rounds.append(recs)
     ckpt.close()
     fresh(work)
-    med = {}
+    med, per = {}, {}
     for name in names:
-        per = [derived(r[name], r["none"]) for r in rounds]
-        med[name] = {k: median([d[k] for d in per]) for k in per[0]}
-        med[name]["lost_range"] = [min(d["lost"] for d in per), max(d["lost"] for d in per)]
-    return {"dcp_error": dcp_error, "rounds": rounds, "median_s": med}
+        per[name] = [derived(r[name], r["none"]) for r in rounds]
+        med[name] = {k: median([d[k] for d in per[name]]) for k in per[name][0]}
+        lost = [d["lost"] for d in per[name]]
+        med[name]["lost_range"] = [min(lost), max(lost)]
+
+    def ratio(a: str, b: str, key: str, base: str = "lost") -> list[float]:
+        return [x[key] / y[base] for x, y in zip(per[a], per[b])]
+
+    paired = {  # per round; the blocking save's cost is its lost time (the loop waited for it)
+        "blocked: async / blocking": {"wall": ratio("torchshard", "blocking", "blocked")},
+        "step diff: async / blocking": {
+            "wall": ratio("torchshard", "blocking", "blocked_step_diff")
+        },
+        "lost: async / blocking": {
+            "wall": ratio("torchshard", "blocking", "lost"),
+            "cpu": ratio("torchshard", "blocking", "cpu_added", "cpu_added"),
+        },
+    }
+    if "dcp" in per:
+        paired["lost: async / dcp"] = {
+            "wall": ratio("torchshard", "dcp", "lost"),
+            "cpu": ratio("torchshard", "dcp", "cpu_added", "cpu_added"),
+        }
+    return {"dcp_error": dcp_error, "rounds": rounds, "median_s": med, "paired": paired}
 
 
 def derived(a: dict, b: dict) -> dict:
@@ -259,34 +303,53 @@ def rank_save(root: str, cfg: dict) -> dict:
     return {"save_s": now() - t0, "weights_sum": weights_sum(fm)}
 
 
-def rank_load(root: str, cfg: dict, repeats: int) -> dict:
+def rank_load(root: str, cfg: dict) -> dict:
+    """One resume: a fresh process per rank, cold page cache, one timed load."""
     trainer, fm, opt = build(GPTConfig(**cfg), distributed=True)
-    times, read, cold = [], [], None
-    for _ in range(repeats):
-        dist.barrier()
-        cold = drop_caches() if dist.get_rank() == 0 else None
-        dist.barrier()
-        t0 = now()
-        info = checkpoint.load(root, trainer, optimizer=opt)
-        times.append(now() - t0)
-        read.append(info.bytes_read)
-    return {"load_s": times, "bytes_read": read, "cold": cold, "weights_sum": weights_sum(fm)}
+    dist.barrier()
+    cold = drop_caches() if dist.get_rank() == 0 else None
+    dist.barrier()
+    c0, t0 = time.process_time(), now()
+    info = checkpoint.load(root, trainer, optimizer=opt)
+    wall, cpu = now() - t0, time.process_time() - c0
+    trainer.close()
+    return {"load_s": wall, "cpu_s": cpu, "bytes_read": info.bytes_read, "cold": cold,
+            "weights_sum": weights_sum(fm)}  # fmt: skip
+
+
+WORLDS = (2, 3, 1)
 
 
 def part_resume(work: Path, cfg: GPTConfig, repeats: int) -> dict:
     root, kw = str(work / "resume"), dict(cfg.__dict__)
-    out: dict = {"save_ranks": run_distributed(rank_save, 2, root, kw, timeout=600), "loads": {}}
+    out: dict = {"save_ranks": run_ranks(rank_save, 2, root, kw), "rounds": []}
     path = sorted(Path(root).glob("step-*"))[-1]
     out["checkpoint_bytes"] = tree_bytes(path)
     out["files"] = {f.name: f.stat().st_size for f in sorted(path.iterdir())}
-    for world in (2, 3, 1):
-        ranks = run_distributed(rank_load, world, root, kw, repeats, timeout=600)
-        times = [max(r["load_s"][i] for r in ranks) for i in range(repeats)]
-        read = sum(r["bytes_read"][-1] for r in ranks)
-        out["loads"][world] = {"max_over_ranks_s": times, "median_s": median(times),
-                               "bytes_read_sum": read, "read_ratio": read / out["checkpoint_bytes"],
-                               "cold_cache": ranks[0]["cold"], "ranks": ranks}  # fmt: skip
+    for rnd in range(repeats):
+        k = rnd % len(WORLDS)
+        out["rounds"].append(
+            {w: run_ranks(rank_load, w, root, kw) for w in WORLDS[k:] + WORLDS[:k]}
+        )
     shutil.rmtree(root)
+
+    def per_round(world: int, key: str) -> list[float]:
+        return [max(r[key] for r in rnd[world]) for rnd in out["rounds"]]
+
+    out["max_over_ranks_s"] = {w: per_round(w, "load_s") for w in WORLDS}
+    out["max_over_ranks_cpu_s"] = {w: per_round(w, "cpu_s") for w in WORLDS}
+    out["bytes_read_sum"] = {
+        w: max(sum(r["bytes_read"] for r in rnd[w]) for rnd in out["rounds"]) for w in WORLDS
+    }
+    out["read_ratio"] = {w: b / out["checkpoint_bytes"] for w, b in out["bytes_read_sum"].items()}
+    out["cold_cache"] = all(rnd[w][0]["cold"] for rnd in out["rounds"] for w in WORLDS)
+    out["paired"] = {
+        f"load: world {a} / world {b}": {
+            kind: [x / y for x, y in zip(per_round(a, key), per_round(b, key))]
+            for kind, key in (("wall", "load_s"), ("cpu", "cpu_s"))
+        }
+        for a, b in ((3, 2), (1, 2))
+    }
     return out
 
 
@@ -346,56 +409,50 @@ def report(r: dict) -> dict:
     med = b["median_s"]
     labels = {"torchshard": "torchshard.checkpoint.save", "safetensors": "save_file + fsync",
               "dd_fsync": "dd bs=64M conv=fsync", "dd_direct": "dd bs=64M oflag=direct"}  # fmt: skip
-    rows = [(v, f"{med[k]:.2f}", span(b["samples_s"][k]), f"{b['gb_per_s'][k]:.2f}",
-             f"{med[k] / med['safetensors']:.2f}") for k, v in labels.items()]  # fmt: skip
-    title = f"\n{fmt_bytes(r['state_bytes'])}: {r['model']}; {r['fs']}; median of {n}"
-    print(format_table(["1. blocking save", "s", "min-max", "GB/s", "/ save_file"], rows, title))
-    tm, blk = t["median_s"], med["torchshard"]
+    rows = [(v, f"{med[k]:.2f}", span(b["samples_s"][k]), f"{median(b['cpu_s'][k]):.2f}",
+             f"{b['gb_per_s'][k]:.2f}") for k, v in labels.items()]  # fmt: skip
+    title = f"\n{fmt_bytes(r['state_bytes'])}: {r['model']}; {r['fs']}; median of {n} rounds"
+    print(format_table(["1. blocking save", "wall s", "min-max", "CPU s", "GB/s"], rows, title))
+    tm = t["median_s"]
     keys = ("cpu_added", "save_call", "fence_wait", "blocked", "blocked_step_diff")
     rows = [(k, f"{v['step']:.2f}", f"{v['total']:.2f}", f"{v['lost']:.2f}", span(v["lost_range"]),
-             *(f"{v[c]:.2f}" for c in keys), f"{v['lost'] / blk:.2f}", f"{v['blocked'] / blk:.3f}")
-            for k, v in tm.items()]  # fmt: skip
+             *(f"{v[c]:.2f}" for c in keys)) for k, v in tm.items()]  # fmt: skip
     heads = ["2. training (s)", "step", "loop", "lost", "min-max", "cpu+", "save()", "fence",
-             "blocked", "step diff", "lost/blk", "blocked/blk"]  # fmt: skip
+             "blocked", "step diff"]  # fmt: skip
     title = (f"\n{r['args']['steps']} steps of 1x{r['args']['block']} tokens, save after step "
-             f"{SAVE_AT}; median of {r['args']['train_repeats']} paired rounds; blk = blocking save {blk:.2f} s"
+             f"{SAVE_AT}; median of {r['args']['train_repeats']} rounds (every config in each)"
              + (f"\nDCP failed: {t['dcp_error']}" if t["dcp_error"] else ""))  # fmt: skip
     print(format_table(heads, rows, title))
-    same = res["loads"][2]["median_s"]
-    rows = [(f"load at world {w}", f"{x['median_s']:.2f}", span(x["max_over_ranks_s"]),
-             f"{x['median_s'] / same:.2f}",
-             fmt_bytes(x["bytes_read_sum"]), f"{x['read_ratio']:.3f}",
-             "cold" if x["cold_cache"] else "warm") for w, x in res["loads"].items()]  # fmt: skip
+    rows = [(f"load at world {w}", f"{median(res['max_over_ranks_s'][w]):.2f}",
+             span(res["max_over_ranks_s"][w]), f"{median(res['max_over_ranks_cpu_s'][w]):.2f}",
+             fmt_bytes(res["bytes_read_sum"][w]), f"{res['read_ratio'][w]:.3f}")
+            for w in WORLDS]  # fmt: skip
     save2 = max(s["save_s"] for s in res["save_ranks"])
     title = (f"\ncheckpoint {fmt_bytes(res['checkpoint_bytes'])} saved at world 2 in {save2:.2f} s;"
-             f" load: max over ranks, median of {n}")  # fmt: skip
-    print(
-        format_table(
-            ["3. resume", "s", "min-max", "/ same", "read", "/ ckpt", "cache"], rows, title
-        )
-    )
+             f" load: max over ranks, median of {r['args']['resume_repeats']} rounds, page cache "
+             f"{'dropped' if res['cold_cache'] else 'NOT dropped (warm)'}")  # fmt: skip
+    heads = ["3. resume", "wall s", "min-max", "CPU s", "read", "/ ckpt"]
+    print(format_table(heads, rows, title))
     rows = [(k, fmt_bytes(m["peak_increase"]), fmt_bytes(m["rss_after"] - m["rss_before"]),
              f"{m['peak_increase'] / m['state_bytes']:.2f}")
             for k, m in mem.items() if k != "repeat"]  # fmt: skip
     rss = mem["repeat"]["rss_after_each_save"]
     title = f"\nfresh process each; RSS after async saves 1-5: {', '.join(map(fmt_bytes, rss))}"
     print(format_table(["4. host memory", "peak RSS +", "kept", "/ state"], rows, title))
-    dcp_lost = tm["dcp"]["lost"] if "dcp" in tm else None
-    ratios = {
-        "blocking save torchshard / save_file (<= 1.1)": med["torchshard"] / med["safetensors"],
-        "  the same, fastest sample of each": min(b["samples_s"]["torchshard"])
-        / min(b["samples_s"]["safetensors"]),
-        "lost torchshard / blocking save (<= 0.1)": tm["torchshard"]["lost"] / blk,
-        "blocked torchshard / blocking save (<= 0.05)": tm["torchshard"]["blocked"] / blk,
-        "lost torchshard / lost DCP (<= 0.5)": dcp_lost and tm["torchshard"]["lost"] / dcp_lost,
-        "load world 3 / world 2 (<= 1.3)": res["loads"][3]["median_s"] / same,
-        "  the same, fastest load of each": min(res["loads"][3]["max_over_ranks_s"])
-        / min(res["loads"][2]["max_over_ranks_s"]),
-        "bytes read / checkpoint, max (<= 1.05)": max(x["read_ratio"] for x in res["loads"].values()),
-        "RSS after save 5 / after save 2": rss[4] / rss[1],
-    }  # fmt: skip
-    print("\n" + "\n".join(f"{k}: {v:.3f}" for k, v in ratios.items() if v is not None))
-    return ratios
+    paired = {**{f"blocking: {k}": v for k, v in b["paired"].items()}, **t["paired"],
+              **res["paired"]}  # fmt: skip
+    rows = [(k, spread_text(v["wall"], 3), spread_text(v["cpu"], 3) if "cpu" in v else "-")
+            for k, v in paired.items()]  # fmt: skip
+    print(format_table(["paired ratio, per round", "wall", "CPU"], rows, "\nmedian (min-max)"))
+    for key, target in (("blocking: torchshard / safetensors", 1.1),
+                        ("blocked: async / blocking", 0.05), ("lost: async / blocking", 0.1),
+                        ("lost: async / dcp", 0.5), ("load: world 3 / world 2", 1.3)):  # fmt: skip
+        if key in paired:
+            print(f"{key} (wall, <= {target}): {verdict(paired[key]['wall'], target)}")
+    read = max(res["read_ratio"].values())
+    print(f"bytes read / checkpoint, max over worlds (<= 1.05): {read:.3f}")
+    print(f"RSS after save 5 / after save 2: {rss[4] / rss[1]:.3f}")
+    return paired
 
 
 def main() -> None:
@@ -403,8 +460,9 @@ def main() -> None:
     p.add_argument("--size-gb", type=float, default=1.0, help="weights + AdamW state, GB")
     p.add_argument("--block", type=int, default=32, help="tokens per training step (batch 1)")
     p.add_argument("--steps", type=int, default=10, help="training steps per loop (part 2)")
-    p.add_argument("--repeats", type=int, default=3, help="parts 1 and 3")
-    p.add_argument("--train-repeats", type=int, default=4, help="paired rounds of part 2")
+    p.add_argument("--repeats", type=int, default=4, help="rounds of part 1")
+    p.add_argument("--train-repeats", type=int, default=4, help="rounds of part 2")
+    p.add_argument("--resume-repeats", type=int, default=4, help="rounds of part 3")
     p.add_argument("--dir", default="/tmp", help="where the temporary directory goes")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "checkpoint.json"))
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -430,11 +488,11 @@ def main() -> None:
         r["training"] = part_training(fm, opt, work, cfg, opts.steps, opts.train_repeats)
         keep = checkpoint.save(work / "keep", fm, step=1, optimizer=opt)  # for the load child
         del fm, opt
-        r["resume"] = part_resume(work, cfg, opts.repeats)
+        r["resume"] = part_resume(work, cfg, opts.resume_repeats)
         r["memory"] = part_memory(work, opts, keep)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    r["ratios"] = report(r)
+    r["paired"] = report(r)
     r["loadavg_end"], r["total_s"] = list(os.getloadavg()), now() - t_start
     load = ", ".join(f"{x:.1f}" for x in machine["loadavg"])
     cache = "dropped before each" if r["drop_caches"] else "not droppable: warm-cache numbers"
