@@ -15,9 +15,12 @@
    the same copies done one slot at a time without bind's bookkeeping. Also bind +
    ``init_weights(init_gpt_weights)`` of a meta-built model.
 
-Times are medians over ``--repeats``; GB/s is bytes copied (counted once) / s / 1e9;
-"sys CPU" and "faults" are the process's kernel time and minor page faults (getrusage).
-Prints tables and writes every sample, with machine info, to ``--out``.
+Times are medians over ``--repeats``, wall-clock and CPU time (user + sys of the process);
+GB/s is bytes copied (counted once) / s / 1e9; "sys CPU" and "faults" are the process's
+kernel time and minor page faults (getrusage). Every repetition is one round of every
+measurement, so ratios are paired: ``paired["bind / copy_fresh"]`` holds one ratio per
+round (wall and CPU), and the tables show their median and spread. Prints tables and
+writes every sample, with machine info, to ``--out``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import tracemalloc
 from collections import defaultdict
 from pathlib import Path
@@ -45,6 +49,7 @@ from _common import (
     run_child,
     write_json,
 )
+from summary import spread_text
 
 from torchshard import FlatParamModule
 
@@ -67,7 +72,7 @@ def child_layout(size: str, repeats: int) -> dict:
     build_s = [sw.s]
     with PeakRSS() as wrap_mem, Stopwatch() as sw:
         fm = FlatParamModule(model)
-    wrap_s = [sw.s]
+    wrap_s, wrap_cpu_s = [sw.s], [sw.user_s + sw.sys_s]
     layout = fm.layout
     with Stopwatch() as sw:
         layout_json = layout.to_json()
@@ -84,6 +89,7 @@ def child_layout(size: str, repeats: int) -> dict:
         with Stopwatch() as sw:
             FlatParamModule(m)
         wrap_s.append(sw.s)
+        wrap_cpu_s.append(sw.user_s + sw.sys_s)
     return {
         "size": size,
         "params": layout.param_numel,
@@ -99,6 +105,7 @@ def child_layout(size: str, repeats: int) -> dict:
         "build_meta_peak_rss_increase_bytes": build_mem.increase,
         "wrap_s": wrap_s,
         "wrap_s_median": median(wrap_s),
+        "wrap_cpu_s": wrap_cpu_s,
         "wrap_peak_rss_increase_bytes": wrap_mem.increase,
         "wrap_tracemalloc_peak_bytes": tracemalloc_peak,
         "peak_rss_exact": wrap_mem.exact,
@@ -113,6 +120,7 @@ def layout_table(results: list[dict]) -> str:
             r["slots"],
             fmt_ms(r["build_meta_s_median"]),
             fmt_ms(r["wrap_s_median"]),
+            fmt_ms(median(r["wrap_cpu_s"])),
             fmt_bytes(r["wrap_peak_rss_increase_bytes"]),
             fmt_bytes(r["wrap_tracemalloc_peak_bytes"]),
             fmt_bytes(r["layout_json_bytes"]),
@@ -120,7 +128,7 @@ def layout_table(results: list[dict]) -> str:
         ]
         for r in results
     ]
-    headers = ["preset", "params", "slots", "build (meta)", "wrap", "wrap RSS+",
+    headers = ["preset", "params", "slots", "build (meta)", "wrap", "wrap CPU", "wrap RSS+",
                "wrap tracemalloc", "layout JSON", "fp32 buffer"]  # fmt: skip
     return format_table(headers, rows, "Layout on meta (fresh process per preset, medians)")
 
@@ -197,6 +205,18 @@ def bench_bind(size: str, repeats: int) -> dict:
     }
     med = {k: {m: median(v) for m, v in d.items()} for k, d in samples.items()}
     t = {k: d["s"] for k, d in med.items()}
+
+    def cpu(k: str) -> list[float]:
+        return [u + s for u, s in zip(samples[k]["user_s"], samples[k]["sys_s"])]
+
+    paired = {  # one ratio per round: the measurements of a round ran back to back
+        f"{a} / {b}": {
+            "wall": [x / y for x, y in zip(samples[a]["s"], samples[b]["s"])],
+            "cpu": [x / y for x, y in zip(cpu(a), cpu(b))],
+        }
+        for a, b in (("bind", "copy_fresh"), ("bind", "copy_prefaulted"),
+                     ("slots_fresh", "copy_fresh"), ("meta_bind", "copy_fresh"))
+    }  # fmt: skip
     copied = {k: param_bytes if k.startswith("bind") else buffer_bytes
               for k in ("bind", "bind_grad_given", "copy_prefaulted", "copy_fresh",
                         "slots_prefaulted", "slots_fresh", "zeros_fresh")}  # fmt: skip
@@ -213,6 +233,7 @@ def bench_bind(size: str, repeats: int) -> dict:
         "gbps": {k: b / t[k] / 1e9 for k, b in copied.items()},
         "ratio_vs_copy_prefaulted": {k: t[k] / t["copy_prefaulted"] for k in t},
         "ratio_vs_copy_fresh": {k: t[k] / t["copy_fresh"] for k in t},
+        "paired": paired,
         "bind_peak_rss_increase_bytes": bind_rss,
     }
 
@@ -244,6 +265,8 @@ def bind_table(r: dict) -> str:
              f"{r['slots']} slots, median of {r['repeats']})")  # fmt: skip
     headers = ["operation", "time", "GB/s", "/ copy_", "/ fresh copy_", "sys CPU", "faults"]
     table = format_table(headers, rows, title)
+    rows = [(k, spread_text(v["wall"]), spread_text(v["cpu"])) for k, v in r["paired"].items()]
+    table += "\n\n" + format_table(["paired ratio, per round", "wall", "CPU"], rows)
     rss = fmt_bytes(median(r["bind_peak_rss_increase_bytes"]))
     return (f"{table}\nbind peak RSS increase: {rss} (flat buffer {fmt_bytes(r['buffer_bytes'])}, "
             f"largest parameter {fmt_bytes(r['largest_param_bytes'])})")  # fmt: skip
@@ -266,6 +289,7 @@ def main() -> None:
         print(json.dumps(child_layout(args.child, args.repeats)))
         return
 
+    t_start = time.perf_counter()
     results: dict = {"benchmark": "flat", "machine": machine_info(), "args": vars(args)}
     sizes = [x for x in args.sizes.split(",") if x]
     layouts = [
@@ -276,8 +300,10 @@ def main() -> None:
         print(layout_table(layouts), end="\n\n", flush=True)
     if args.bind_size:
         results["bind"] = bench_bind(args.bind_size, args.repeats)
+        results["paired"] = results["bind"]["paired"]
         print(bind_table(results["bind"]), end="\n\n")
     results["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    results["total_s"] = time.perf_counter() - t_start
     m = results["machine"]
     load = "/".join(f"{x:.1f}" for x in m["loadavg"] or ())
     print(f"torch {m['torch']}, {m['cpu_count']} CPUs ({m['cpu']}), {m['torch_threads']} torch "
