@@ -1,16 +1,20 @@
-"""A 70B Llama layout (transformers, built on meta) at 8 to 1024 ranks: pure arithmetic."""
+"""A 70B Llama layout (transformers, built on meta) at 8 to 1024 ranks: pure arithmetic, and
+scale.py's metadata.json size against what real saves write."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from scale import WORLD_SIZES, llama_layout, metadata_bytes
+import torch
+from multiprocess import run_distributed
+from scale import ADAMW, WORLD_SIZES, llama, llama_layout, metadata_bytes
 
-from torchshard import plan_memory
+from torchshard import DistributedTrainer, checkpoint, plan_memory
 from torchshard._flat.geometry import element_ranges
 from torchshard._parallel.memory import padded_numel
 
@@ -59,12 +63,52 @@ def pieces(layout, rank: int, size: int) -> int:
     return sum(1 for s in layout if s.requires_grad and s.offset < b and s.end > a)
 
 
-def test_checkpoint_metadata_grows_with_ranks_plus_parameters_not_their_product(layout):
-    half = llama_layout(num_hidden_layers=40)
-    for lay in (layout, half):
+def test_checkpoint_metadata_grows_with_ranks_plus_parameters_not_their_product():
+    full, half = llama(), llama(num_hidden_layers=40)
+    for fm in (full, half):
+        lay = fm.layout
         for world in WORLD_SIZES:
-            size = metadata_bytes(lay, world)
+            size = metadata_bytes(fm, world)
             # a fixed part, ~200 bytes per parameter (layout, groups, scalar state) and a few
             # hundred per rank (its files and their records): no parameters-times-ranks term
             assert size <= 16 * 1024 + 200 * len(lay) + 400 * world, (len(lay), world, size)
-    assert metadata_bytes(layout, 1024) < 1024 * 1024  # under 1 MB for 70B at 1024 ranks
+    assert metadata_bytes(full, 1024) < 1024 * 1024  # under 1 MB for 70B at 1024 ranks
+
+
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=96,
+    max_position_embeddings=64,
+)
+
+
+def _save_small_llama(root: str) -> dict:
+    """A real save of a sharded bf16 trainer (fp32 master) with scale.py's AdamW, one step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    fm = llama(**SMALL)  # on meta; the trainer initializes it
+    trainer = DistributedTrainer(fm, shard=True)  # initialized the model's own way
+    opt = trainer.make_optimizer(torch.optim.AdamW, **ADAMW)
+    assert isinstance(fm.module, LlamaForCausalLM) and isinstance(fm.module.config, LlamaConfig)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    fm(input_ids=ids, labels=ids).loss.backward()
+    trainer.step()
+    path = checkpoint.save(root, trainer, step=1, optimizer=opt)
+    trainer.close()
+    meta = (path / "metadata.json").read_bytes()
+    return {"size": len(meta), "files": len(json.loads(meta)["files"])}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_metadata_bytes_is_what_a_real_save_writes(tmp_path, world):
+    # scale.py builds metadata.json with the save path's own functions; only the files' sizes
+    # (data bytes, no safetensors header: the same number of digits or one fewer) and
+    # checksums are stand-ins. A real save of a small Llama must agree to within those.
+    real = run_distributed(_save_small_llama, world, str(tmp_path), timeout=180)[0]
+    computed = metadata_bytes(llama(**SMALL), world, step=1)
+    assert 0 <= real["size"] - computed <= 2 * real["files"], (real, computed)
