@@ -1,0 +1,139 @@
+"""What the sharded-trainer tests share: a tiny GPT whose buffer no world size in 2..4 divides,
+per-rank batches, and a trainer's whole state laid out like the flat buffer.
+
+Used by ``test_checkpoint_bf16_master.py``, ``test_parallel_subgroups.py``,
+``test_checkpoint_async_sharded.py`` and ``test_checkpoint_failures.py``; all of it runs in
+the worker processes of ``run_distributed``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from gpt import GPT, GPTConfig
+
+from torchshard import DistributedTrainer, FlatParamModule
+
+CFG = GPTConfig(vocab_size=60, block_size=8, n_layer=2, n_head=2, n_embd=20)
+KW = dict(lr=1e-2, eps=1e-6, weight_decay=0.1, betas=(0.9, 0.95))
+
+
+class Model(GPT):
+    """The GPT plus a 5-element gain: 11545 elements, which no world size in 2..4 divides."""
+
+    def __init__(self) -> None:
+        super().__init__(CFG)
+        self.gain = torch.nn.Parameter(torch.ones(5))
+
+    def forward(self, idx, targets):  # type: ignore[override]
+        logits, loss = super().forward(idx, targets)
+        return logits, loss * self.gain.mean()
+
+
+def no_decay(name: str) -> bool:
+    return name.endswith("bias") or ".ln" in name or name.startswith("ln_")
+
+
+def torch_groups(model: torch.nn.Module) -> list[dict]:
+    """``no_decay``'s param groups for a plain torch optimizer (the DDP oracle's)."""
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if not no_decay(n)]},
+        {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0},
+    ]
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    idx = torch.randint(0, CFG.vocab_size, (3, CFG.block_size + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def new_trainer(
+    shard: bool,
+    dtype: torch.dtype = torch.float32,
+    group: dist.ProcessGroup | None = None,
+    src: int = 0,
+    seed: int = 0,
+) -> DistributedTrainer:
+    """A trainer of :class:`Model` (weights from ``seed``) with AdamW in two param groups."""
+    torch.manual_seed(seed)
+    fm = FlatParamModule(Model(), align_bytes=4, dtype=dtype)
+    trainer = DistributedTrainer(fm, shard=shard, process_group=group, src=src, bucket_mb=0.004)
+    trainer.make_optimizer(torch.optim.AdamW, groups=[(no_decay, {"weight_decay": 0.0})], **KW)
+    return trainer
+
+
+def train(trainer: DistributedTrainer, steps: range, rank: int | None = None) -> None:
+    """``trainer.step()`` on ``batch(rank, step)`` (``rank``: the trainer's own by default)."""
+    for step in steps:
+        trainer.zero_grad()
+        trainer.module(*batch(trainer.rank if rank is None else rank, step))[1].backward()
+        trainer.step()
+
+
+def has_master(trainer: DistributedTrainer) -> bool:
+    """Whether the optimizer updates master copies in another dtype than the flat buffer."""
+    return trainer.shard and trainer.module.dtype != torch.float32  # master_dtype's default
+
+
+def flat_state(trainer: DistributedTrainer) -> dict[str, torch.Tensor]:
+    """Weights, master weights and optimizer state laid out like the flat buffer (without
+    padding), the same on every rank of the trainer's group (a collective).
+
+    ``weights``: the flat buffer (zeros in the gaps between parameters); ``master``: the fp32 copies the sharded optimizer updates
+    (a bf16 buffer only); ``<key>``: each flat optimizer state tensor (``exp_avg``...);
+    ``<key>/slot``: each scalar state (Adam's ``step``) by slot.
+    """
+    fm, opt = trainer.module, trainer.optimizer
+    assert opt is not None
+    group = trainer.process_group
+    n = fm.layout.numel
+    weights = torch.zeros(n, dtype=fm.dtype)  # alignment gaps hold no value: zeros
+    for s in fm.layout.slots:
+        weights[s.offset : s.end] = fm.flat_param[s.offset : s.end]
+    out = {"weights": weights}
+    mine = trainer.rank == 0 or trainer.shard  # replicated: every rank holds everything
+    segments = trainer.optimizer_segments()
+    local: dict[str, tuple[torch.dtype, bool]] = {}  # key -> (dtype, per slot)
+    for _, _, _, t in segments:
+        for k, v in opt.state.get(t, {}).items():
+            local.setdefault(k, (v.dtype, v.dim() == 0))
+    everyone: list[dict] = [{} for _ in range(trainer.world_size)]
+    dist.all_gather_object(everyone, local, group=group)  # a rank may hold no state
+    keys: dict[str, torch.Tensor] = {}
+    for k, (dtype, scalar) in sorted({k: v for d in everyone for k, v in d.items()}.items()):
+        keys[f"{k}/slot" if scalar else k] = torch.zeros(
+            len(fm.layout) if scalar else n, dtype=dtype
+        )
+    if has_master(trainer):
+        keys["master"] = torch.zeros(n, dtype=torch.float32)
+    for slot, a, b, t in segments:
+        if not mine:
+            continue
+        if "master" in keys:
+            keys["master"][a:b] = t.detach().reshape(-1)
+        for k, v in opt.state.get(t, {}).items():
+            if v.dim() == 0:  # one per slot (pieces of a slot share the value)
+                keys[f"{k}/slot"][slot] = v
+            else:
+                keys[k][a:b] = v.reshape(-1)
+    for k in sorted(keys):
+        op = dist.ReduceOp.MAX if k.endswith("/slot") else dist.ReduceOp.SUM
+        dist.all_reduce(keys[k], op=op, group=group)  # each element from exactly one rank
+        out[k] = keys[k]
+    return out
+
+
+def differences(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    """The keys whose tensors are not bitwise equal (dtype included), or missing."""
+    out = [f"{k}: missing" for k in want if k not in got]
+    out += [f"{k}: unexpected" for k in got if k not in want]
+    for k in sorted(got.keys() & want.keys()):
+        a, b = got[k], want[k]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            out.append(f"{k}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
+        elif not torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)):
+            diff = (a.double() - b.double()).abs()
+            out.append(f"{k}: {int((diff != 0).sum())} elements differ, max {diff.max().item():g}")
+    return out
