@@ -30,7 +30,9 @@ class CommStats:
     buckets: int = 0
     """Buckets that carry gradients."""
     launched_during_backward: int = 0
-    """Buckets of the last step whose all-reduce started inside backward."""
+    """Buckets of the last step whose all-reduce started inside backward (from a gradient
+    hook). Not a measure of overlap: with the whole model compiled, backward is one graph
+    and every hook runs after its last kernel, yet each launch still counts here."""
     wait_seconds: float = 0.0
     """Total time ``average_gradients()`` spent waiting for communication (host time:
     meaningful on gloo; on NCCL ``wait()`` only orders the streams and returns at once)."""
