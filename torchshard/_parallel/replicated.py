@@ -41,6 +41,8 @@ class Replicated(Mode):
                 self._mask.fill_(1)
             else:  # from average_gradients(), which reads the mask back anyway
                 self._mask.copy_(torch.tensor(used, dtype=self._mask.dtype))
+            # Reduced with the bucket's op: with AVG each entry is a fraction, not a count;
+            # only "nonzero" (some rank used it) is ever read.
             view = self._store[: self._store.numel() - ctx.grad.numel() + bucket.end]
             self._sent = True
         op = ctx.mean_op or dist.ReduceOp.SUM
