@@ -34,9 +34,9 @@ def gate_background_staging(optimizer: torch.optim.Optimizer) -> threading.Event
     real = _save._stage_cpu
 
     def gated(copies):
-        if threading.current_thread() is not threading.main_thread():
-            if not stepping.wait(timeout=120):  # a safety net against a hang, not a sync
-                raise RuntimeError("the test's gate: no optimizer.step() came")
+        background = threading.current_thread() is not threading.main_thread()
+        if background and not stepping.wait(timeout=120):  # a safety net, not a sync
+            raise RuntimeError("the test's gate: no optimizer.step() came")
         real(copies)
 
     _save._stage_cpu = gated
