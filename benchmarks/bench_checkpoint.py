@@ -484,12 +484,18 @@ def main() -> None:
                    "fs": f"{work} on {dev} ({fstype})", "drop_caches": drop_caches(),
                    "state_bytes": state_bytes(fm, opt), "model": f"GPT n_layer={cfg.n_layer} "
                    f"n_embd=768, {fm.layout.param_numel / 1e6:.1f}M params + AdamW"}  # fmt: skip
+        part_s, t0 = {}, now()
         r["blocking"] = part_blocking(fm, opt, work, opts.repeats)
+        part_s["blocking"], t0 = now() - t0, now()
         r["training"] = part_training(fm, opt, work, cfg, opts.steps, opts.train_repeats)
+        part_s["training"], t0 = now() - t0, now()
         keep = checkpoint.save(work / "keep", fm, step=1, optimizer=opt)  # for the load child
         del fm, opt
         r["resume"] = part_resume(work, cfg, opts.resume_repeats)
+        part_s["resume"], t0 = now() - t0, now()
         r["memory"] = part_memory(work, opts, keep)
+        part_s["memory"] = now() - t0
+        r["part_s"] = part_s
     finally:
         shutil.rmtree(work, ignore_errors=True)
     r["paired"] = report(r)
@@ -497,7 +503,8 @@ def main() -> None:
     load = ", ".join(f"{x:.1f}" for x in machine["loadavg"])
     cache = "dropped before each" if r["drop_caches"] else "not droppable: warm-cache numbers"
     print(f"\nloadavg {load} at start, {', '.join(f'{x:.1f}' for x in r['loadavg_end'])} at end "
-          f"({machine['cpu_count']} CPUs); page cache {cache}; total {r['total_s']:.0f} s")  # fmt: skip
+          f"({machine['cpu_count']} CPUs); page cache {cache}; total {r['total_s']:.0f} s "
+          f"({', '.join(f'{k} {v:.0f} s' for k, v in r['part_s'].items())})")  # fmt: skip
     print(f"wrote {write_json(opts.out, r)}")
 
 

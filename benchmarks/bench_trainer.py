@@ -317,6 +317,7 @@ def main() -> None:
     opts = p.parse_args()
     t_start, machine = now(), machine_info()
     main_ranks = run_ranks(task, WORLD, "main", opts)
+    main_s = now() - t_start
     # glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold resident; a
     # fixed 128 KiB threshold returns every tensor of 128 KiB or more to the kernel when freed.
     env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
@@ -413,7 +414,9 @@ def main() -> None:
     results.update(paired=paired, host_reads={"steps": steps, "by_rank": reads})
     results.update(memory_bytes=memory, grad_storage_analytic=ANALYTIC, memory_model={
         "layers": MEM_LAYERS, "width": MEM_WIDTH, "optimizer": "SGD", "steps": opts.mem_steps})  # fmt: skip
-    results.update(loadavg_end=list(load), total_s=total)
+    results.update(
+        loadavg_end=list(load), total_s=total, part_s={"main": main_s, "memory": total - main_s}
+    )
     results["samples_by_rank"] = [{"wall": r["wall"], "cpu": r["cpu"]} for r in main_ranks]
     print(f"wrote {write_json(opts.out, results)}")
 
