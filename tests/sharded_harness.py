@@ -1,9 +1,9 @@
 """What the sharded-trainer tests share: a tiny GPT whose buffer no world size in 2..4 divides,
 per-rank batches, and a trainer's whole state laid out like the flat buffer.
 
-Used by ``test_checkpoint_bf16_master.py``, ``test_parallel_subgroups.py``,
-``test_checkpoint_async_sharded.py`` and ``test_checkpoint_failures.py``; all of it runs in
-the worker processes of ``run_distributed``.
+Used by ``test_parallel_sharded_parity.py``, ``test_parallel_subgroups.py``,
+``test_checkpoint_bf16_master.py``, ``test_checkpoint_async_sharded.py`` and
+``test_checkpoint_failures.py``; all of it runs in the worker processes of ``run_distributed``.
 """
 
 from __future__ import annotations
