@@ -157,3 +157,39 @@ def test_saving_over_a_committed_step_fails_on_every_rank(tmp_path):
     for rank, r in enumerate(run_distributed(_save_step_twice, 2, str(tmp_path), timeout=60)):
         assert r["error"] is not None and "already exists" in r["error"], (rank, r)
         assert r["intact"], rank
+
+
+# -- values Python lets through that JSON or the format would change or refuse later ----------
+@pytest.mark.parametrize("step", [True, False])
+def test_a_bool_step_is_refused(tmp_path, step):
+    # bool is an int in Python; written, it would make a metadata.json that load refuses
+    with pytest.raises(CheckpointError, match="step: expected a non-negative integer"):
+        checkpoint.save(tmp_path / "ckpt", build(), step=step)
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("extra", [[1, 2], "note", 5, [], ""])
+def test_an_extra_that_is_not_a_dict_is_refused(tmp_path, extra):
+    with pytest.raises(CheckpointError, match="extra: expected a dict"):
+        checkpoint.save(tmp_path / "ckpt", build(), step=1, extra=extra)
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("extra", [{1: "a"}, {"data": {(0, 1): 2}}, {"list": [{2.5: 1}]}])
+def test_an_extra_with_keys_that_are_not_strings_is_refused(tmp_path, extra):
+    # JSON would load {1: "a"} back as {"1": "a"}: another dict than the one saved
+    with pytest.raises(CheckpointError, match="extra: expected string keys"):
+        checkpoint.save(tmp_path / "ckpt", build(), step=1, extra=extra)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_keep_last_true_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="keep_last"):
+        checkpoint.Checkpointer(tmp_path, keep_last=True)
+
+
+@pytest.mark.parametrize("name", ["timeout", "heartbeat_timeout"])
+@pytest.mark.parametrize("value", ["5", True, None])
+def test_a_timeout_that_is_no_number_is_a_checkpoint_error(tmp_path, name, value):
+    with pytest.raises(CheckpointError, match=name):
+        checkpoint.Checkpointer(tmp_path, **{name: value})

@@ -50,18 +50,18 @@ class Checkpointer:
         timeout: float = 600.0,
         heartbeat_timeout: float = 10.0,
     ) -> None:
-        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        if keep_last is not None and (
+            not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
+        ):
             raise CheckpointError(
                 f"keep_last: expected a positive integer or None, got {keep_last!r}"
             )
-        if not timeout > 0:
-            raise CheckpointError(
-                f"timeout: expected a positive number of seconds, got {timeout!r}"
-            )
-        if not heartbeat_timeout > 0:
-            raise CheckpointError(
-                f"heartbeat_timeout: expected a positive number of seconds, got {heartbeat_timeout!r}"
-            )
+        for name, value in (("timeout", timeout), ("heartbeat_timeout", heartbeat_timeout)):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (number and value > 0):
+                raise CheckpointError(
+                    f"{name}: expected a positive number of seconds, got {value!r}"
+                )
         self.root = Path(root)
         self.keep_last = keep_last
         self._writer = Writer(timeout, heartbeat_timeout)

@@ -30,7 +30,7 @@ import os
 import shutil
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -282,10 +282,22 @@ class Writer:
             except CheckpointError as e:
                 if not seen:  # an error nobody has seen yet must not pass silently
                     raise CheckpointError(f"the previous checkpoint save failed: {e}") from e
-        if not isinstance(step, int) or step < 0:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise CheckpointError(f"step: expected a non-negative integer, got {step!r}")
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, dict):
+            raise CheckpointError(
+                f"extra: expected a dict of JSON values or None, got {type(extra).__name__}"
+            )
+        odd = [k for k in _keys(extra) if not isinstance(k, str)]
+        if odd:  # JSON would turn them into strings: another dict comes back than was saved
+            raise CheckpointError(
+                f"extra: expected string keys, got {odd[0]!r} ({type(odd[0]).__name__}); "
+                "JSON would load it back as a string"
+            )
         try:
-            extra_json = json.loads(json.dumps(extra or {}, allow_nan=False))
+            extra_json = json.loads(json.dumps(extra, allow_nan=False))
         except (TypeError, ValueError) as e:
             raise CheckpointError(
                 f"extra: expected a dict of JSON values ({e}); NaN and infinity are not JSON: "
@@ -478,6 +490,17 @@ def _collect(
             layout, t.world, step, list(buffers), optim_meta, extra, config
         )
     return share, copies[: len(buffers)], copies[len(buffers) :]
+
+
+def _keys(value: Any) -> Iterator[Any]:
+    """Every dict key in ``value``, at any depth."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield k
+            yield from _keys(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _keys(v)
 
 
 def _part(view: OptimizerView, piece: Piece, key: str) -> torch.Tensor | None:
