@@ -87,15 +87,16 @@ def install_grad_hooks(
     param.register_post_accumulate_grad_hook(after_accumulate)
 
 
-def zero_gaps(grad: torch.Tensor, layout: FlatLayout) -> None:
-    """Zero the alignment padding and the frozen parameters' regions of ``grad``."""
+def zero_gaps(t: torch.Tensor, layout: FlatLayout, *, frozen: bool = True) -> None:
+    """Zero the alignment padding of ``t`` (a flat buffer) and, with ``frozen``, the
+    frozen parameters' regions (a gradient buffer's)."""
     end = 0
     for s in layout:
-        grad[end : s.offset].zero_()
-        if not s.requires_grad:
-            grad[s.offset : s.end].zero_()
+        t[end : s.offset].zero_()
+        if frozen and not s.requires_grad:
+            t[s.offset : s.end].zero_()
         end = s.end
-    grad[end : layout.numel].zero_()
+    t[end : layout.numel].zero_()
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

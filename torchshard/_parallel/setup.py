@@ -16,6 +16,7 @@ from .._dist import backend_devices, choose_device, exchange_bytes
 from .._errors import RankMismatchError
 from .._flat.layout import FlatLayout
 from .._flat.module import FlatParamModule
+from .._flat.views import zero_gaps
 from .mode import Mode
 
 __all__ = [
@@ -85,7 +86,10 @@ def bind_buffers(
         return
     was_meta = any(p.is_meta for p in fm.module.parameters())
     flat = torch.empty(n, dtype=fm.dtype, device=device)
-    flat[fm.numel :].zero_()  # padding: all-gathered and checkpointed, so defined
+    # alignment gaps and padding: all-gathered and broadcast, so defined (and a buffer
+    # that is bitwise the same before a save and after its load)
+    zero_gaps(flat, fm.layout, frozen=False)
+    flat[fm.numel :].zero_()
     # A mode may keep a few elements just before the gradient (replicated: the
     # used-parameter mask, which then rides in the all-reduce of the bucket at 0).
     n_mask = sum(s.requires_grad for s in fm.layout.slots)
