@@ -220,11 +220,14 @@ def main_task(opts: argparse.Namespace) -> dict:
 
 
 def host_reads(opts: argparse.Namespace) -> dict[str, dict[str, int]]:
-    """Part 3: host reads counted per config over ``--sync-steps`` steps (SGD)."""
+    """Part 3: host reads counted per config over ``--sync-steps`` steps (SGD); first, as a
+    control, what the counter sees around one ``.item()`` (it must see it)."""
     rank = dist.get_rank()
     train, _ = load_corpus()
     gen = torch.Generator().manual_seed(2000 + rank)
-    out = {}
+    with HostReads() as control:  # the counter must see a read: one .item()
+        torch.ones(2).sum().item()
+    out = {"control_item": dict(control.seen)}
     for name in ("ddp", "ts_replicated", "ts_sharded"):
         model = make_model(opts.preset)
         trainer = None
