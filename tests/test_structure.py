@@ -28,7 +28,14 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
     "_parallel.replicated": {"_parallel.buckets", "_parallel.mode"},
     "_parallel.sharded": {"_parallel.buckets", "_parallel.mode"},
     "_parallel.reducer": {"_errors", "_parallel.buckets", "_parallel.mode"},
-    "_parallel.setup": {"_dist", "_errors", "_flat.layout", "_flat.module", "_parallel.mode"},
+    "_parallel.setup": {
+        "_dist",
+        "_errors",
+        "_flat.layout",
+        "_flat.module",
+        "_flat.views",
+        "_parallel.mode",
+    },
     "_parallel.state": {"_dist", "_flat.module", "_parallel.mode"},
     "_parallel.trainer": {
         "_dist",
