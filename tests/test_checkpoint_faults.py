@@ -254,6 +254,7 @@ def test_a_rank_that_is_alive_but_never_saves_is_a_timeout_naming_the_step(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(120 + 300 + 60)  # its own limits: B's start, then both nodes' run
 def test_elastic_node_joins_and_the_job_resumes_at_the_new_world_size(tmp_path):
     """torchrun --nnodes 1:2 on loopback: node A trains alone, node B joins, both restart at
     world size 2 from A's latest checkpoint, data position included. torch's shared agent
