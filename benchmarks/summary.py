@@ -249,16 +249,17 @@ def optimizer_state(r: Results) -> Cell:
     return f"{cell}: optimizer state tensor bytes", "met" if max(fracs) <= 0.55 else "missed"
 
 
-def sharded_vs(baselines: tuple[str, ...], labels: tuple[str, ...], configs=("ts_shard",)):
+def sharded_vs(*pairs: tuple[str, str, str]) -> Callable[[Results], Cell]:
+    """Paired step ratios of ``(config, baseline, label)`` from sharded.json."""
+
     def cell(r: Results) -> Cell:
-        for name in (*configs, *baselines):
-            sharded(r, name)  # raises Failed for a configuration that failed
         parts, n = [], 0
-        for c in configs:
-            for b, label in zip(baselines, labels):
-                p = paired(r, "sharded", f"{c}.step / {b}.step")
-                n = len(p["wall"])
-                parts.append(f"{label}: {wall_cpu(p)}")
+        for config, baseline, label in pairs:
+            for name in (config, baseline):
+                sharded(r, name)  # raises Failed for a configuration that failed
+            p = paired(r, "sharded", f"{config}.step / {baseline}.step")
+            n = len(p["wall"])
+            parts.append(f"{label}: {wall_cpu(p)}")
         return "; ".join(parts) + f"; {n} steps", "-"
 
     return cell
@@ -385,25 +386,19 @@ ROWS = (
         ("sharded",),
     ),
     Row(
-        "sharded step (`shard=True`, fp32) vs DDP",
+        "sharded step (`shard=True`) vs DDP: fp32 / bf16 with an fp32 master",
         PAIRED,
-        sharded_vs(("ddp",), ("fp32",), ("ts_shard",)),
+        sharded_vs(("ts_shard", "ddp", "fp32"), ("ts_shard_bf16", "ddp", "bf16")),
         "-",
         ("sharded",),
     ),
     Row(
-        "sharded step (`shard=True`, bf16 with fp32 master) vs DDP",
-        PAIRED,
-        sharded_vs(("ddp",), ("bf16",), ("ts_shard_bf16",)),
-        "-",
-        ("sharded",),
-    ),
-    Row(
-        "sharded step vs FSDP2 `fully_shard(reshard_after_forward=False)` "
-        "(same memory class) / FSDP2 default (ZeRO-3)",
+        "sharded step vs FSDP2: `fully_shard(reshard_after_forward=False)` (the same memory "
+        "class) / its default (ZeRO-3)",
         PAIRED,
         sharded_vs(
-            ("fsdp2_keep", "fsdp2_zero3"), ("vs `reshard_after_forward=False`", "vs ZeRO-3")
+            ("ts_shard", "fsdp2_keep", "vs `reshard_after_forward=False`"),
+            ("ts_shard", "fsdp2_zero3", "vs ZeRO-3"),
         ),
         "-",
         ("sharded",),
