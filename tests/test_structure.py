@@ -218,14 +218,7 @@ def test_the_checkpoint_face_only_re_exports():
 # Public names whose docstring has no example yet (CONTRIBUTING: "a docstring that has a short
 # example"). Frozen: a new public name without an example fails, and so does a name here once
 # its example is written (remove it from this set then).
-MISSING_EXAMPLES = {
-    "torchshard.CommStats",
-    "torchshard.DistInfo",
-    "torchshard.ParamSlot",
-    "torchshard.RankMemory",
-    "torchshard.checkpoint.CheckpointFuture",
-    "torchshard.checkpoint.CheckpointInfo",
-}
+MISSING_EXAMPLES: set[str] = set()
 
 
 def written_docstring(obj: object) -> str:

@@ -35,7 +35,13 @@ _owns_default_group = False
 
 @dataclass(frozen=True)
 class DistInfo:
-    """Where this process sits: ``rank`` of ``world_size``, ``local_rank`` on its node, ``device``."""
+    """Where this process sits: ``rank`` of ``world_size``, ``local_rank`` on its node, ``device``.
+
+    Example::
+
+        info = torchshard.init_distributed()
+        batch = batch.to(info.device)
+    """
 
     rank: int
     world_size: int

@@ -42,6 +42,11 @@ class ParamSlot:
 
     ``aliases`` are the other names under which the same ``Parameter`` is
     registered (tied weights); they share this slot.
+
+    Example::
+
+        slot = fm.layout["lm_head.weight"]
+        weight = fm.flat_param[slot.offset : slot.end].view(slot.shape)
     """
 
     name: str

@@ -27,7 +27,13 @@ def padded_numel(layout: FlatLayout, world_size: int, shard: bool) -> int:
 
 @dataclass(frozen=True)
 class RankMemory:
-    """Bytes one rank holds for training (what :meth:`DistributedTrainer.memory_bytes` reports)."""
+    """Bytes one rank holds for training (what :meth:`DistributedTrainer.memory_bytes` reports).
+
+    Example::
+
+        for m in torchshard.plan_memory(fm.layout, world_size=8, shard=True):
+            print(m.rank, m.total / 2**30, "GiB")
+    """
 
     rank: int
     parameters: int

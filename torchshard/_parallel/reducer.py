@@ -23,7 +23,14 @@ __all__ = ["CommStats", "Reducer"]
 
 @dataclass
 class CommStats:
-    """Counters of the gradient communication (for logs and tests)."""
+    """Counters of the gradient communication (for logs and tests).
+
+    Example::
+
+        s = trainer.stats
+        print(f"{s.launched_during_backward}/{s.buckets} buckets started in backward, "
+              f"{1e3 * s.wait_seconds / s.steps:.1f} ms/step waiting")
+    """
 
     steps: int = 0
     """``average_gradients()`` calls so far."""

@@ -63,7 +63,14 @@ logger = get_logger(__name__)
 
 
 class CheckpointFuture:
-    """A save in flight. ``wait()`` returns the committed directory or raises :class:`CheckpointError`."""
+    """A save in flight. ``wait()`` returns the committed directory or raises :class:`CheckpointError`.
+
+    Example::
+
+        future = torchshard.checkpoint.async_save("runs/gpt", trainer, step=100, optimizer=opt)
+        ...                                  # training goes on
+        print(future.wait())                 # runs/gpt/step-100, once every rank committed
+    """
 
     def __init__(self, future: concurrent.futures.Future[Path]) -> None:
         self._future = future

@@ -27,7 +27,14 @@ Checkpointable = TrainState | FlatParamModule
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What :func:`load` restored: the ``step``, the user's ``extra`` dict, the directory."""
+    """What :func:`load` restored: the ``step``, the user's ``extra`` dict, the directory.
+
+    Example::
+
+        info = torchshard.checkpoint.load("runs/gpt", trainer, optimizer=opt)
+        start = info.step
+        sampler.load_state_dict(info.extra["data"])
+    """
 
     step: int
     extra: dict[str, Any]
