@@ -7,46 +7,11 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from gpt import GPT, GPTConfig
 from multiprocess import run_distributed
+from sharded_harness import CFG, KW, Model, batch, no_decay, torch_groups
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torchshard import DistributedTrainer, FlatParamModule
-
-CFG = GPTConfig(vocab_size=60, block_size=8, n_layer=2, n_head=2, n_embd=20)
-
-
-class Model(GPT):
-    """The GPT plus a 5-element gain: 11545 elements, which no world size in 2..4 divides."""
-
-    def __init__(self) -> None:
-        super().__init__(CFG)
-        self.gain = torch.nn.Parameter(torch.ones(5))
-
-    def forward(self, idx, targets):  # type: ignore[override]
-        logits, loss = super().forward(idx, targets)
-        return logits, loss * self.gain.mean()
-
-
-KW = dict(lr=1e-2, eps=1e-6, weight_decay=0.1, betas=(0.9, 0.95))
-
-
-def no_decay(name: str) -> bool:
-    return name.endswith("bias") or ".ln" in name or name.startswith("ln_")
-
-
-def torch_groups(model) -> list[dict]:
-    named = list(model.named_parameters())
-    return [
-        {"params": [p for n, p in named if not no_decay(n)]},
-        {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0},
-    ]
-
-
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    idx = torch.randint(0, CFG.vocab_size, (3, CFG.block_size + 1), generator=g)
-    return idx[:, :-1], idx[:, 1:]
 
 
 def _sharded_vs_replicated_vs_ddp(steps: int = 10, clip: bool = False) -> dict:
