@@ -321,7 +321,7 @@ def test_fp16_gradients_do_not_overflow_in_the_mean(shard):
 
 def _shard_that_is_no_mode() -> str:
     try:
-        DistributedTrainer(FlatParamModule(nn.Linear(2, 2)), shard="full")
+        DistributedTrainer(FlatParamModule(nn.Linear(2, 2)), shard="fully")
     except TorchShardError as e:
         return str(e)
     return ""
@@ -329,4 +329,4 @@ def _shard_that_is_no_mode() -> str:
 
 def test_shard_that_is_no_mode_is_an_error_naming_it():
     message = run_distributed(_shard_that_is_no_mode, 1, timeout=60)[0]
-    assert message == "shard: expected True or False, got 'full'"
+    assert message == "shard: expected True, False or 'full', got 'fully'"

@@ -178,20 +178,31 @@ class FlatParamModule(nn.Module):
                     owners.set(name, new)
                 del old, new  # release the old storage now, not at the end of the loop
             warn_if_still_held(replaced)
-            for prefix, m in self.module.named_modules(remove_duplicate=False):
-                for key, buf in m._buffers.items():
-                    if buf is None or buf.device == flat.device:
-                        continue
-                    if buf.device.type == "meta":
-                        new_buf = torch.zeros_like(buf, device=flat.device)
-                        name = f"{prefix}.{key}" if prefix else key
-                        self._unset_buffers[name] = (new_buf, new_buf._version)
-                        m._buffers[key] = new_buf
-                    else:
-                        m._buffers[key] = buf.to(flat.device)
+        self._materialize_buffers(flat.device)
         self._flat, self._grad = flat, grad if trains else None
-        self._arm_buffer_check()
         return self
+
+    @torch.no_grad()
+    def _materialize_buffers(self, device: torch.device) -> None:
+        """Move module buffers to ``device``; ones built on meta become zeros, checked at the
+        first forward (:meth:`unwritten_buffers`)."""
+        for prefix, m in self.module.named_modules(remove_duplicate=False):
+            for key, buf in m._buffers.items():
+                if buf is None or buf.device == device:
+                    continue
+                if buf.device.type == "meta":
+                    new_buf = torch.zeros_like(buf, device=device)
+                    name = f"{prefix}.{key}" if prefix else key
+                    self._unset_buffers[name] = (new_buf, new_buf._version)
+                    m._buffers[key] = new_buf
+                else:
+                    m._buffers[key] = buf.to(device)
+        self._arm_buffer_check()
+
+    def _detach_buffers(self) -> None:
+        """Forget the flat buffers: a fully sharded trainer made the parameters views of its
+        unit buffers instead (``flat_param`` is then ``None``)."""
+        self._flat = self._grad = None
 
     def _set_grad_listener(self, listener: Callable[[int], None] | None) -> None:
         """Have the per-parameter gradient hook call ``listener(slot)`` (``None``: nobody).

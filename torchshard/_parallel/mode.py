@@ -80,6 +80,12 @@ class Mode:
     """The buffer is padded so that every rank's slice has the same length."""
     norm_is_partial: bool = False
     """``local_grad`` is this rank's part only: the norm is summed across ranks."""
+    owns_buffers: bool = False
+    """The mode binds the module itself (:meth:`adopt`) instead of one flat buffer."""
+    label: str = ""
+    """What ``trainer.shard`` reports when it is not a plain bool."""
+    bytes_gathered: int = 0
+    """Bytes of weights all-gathered so far (at the full buffer's size)."""
     divides_first: bool = False
     """Without a native average, scale each bucket by ``1/world_size`` as it launches
     (DDP's order: the bucket is warm, the pass overlaps backward, none is left after)."""

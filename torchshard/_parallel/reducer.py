@@ -43,6 +43,12 @@ class CommStats:
     wait_seconds: float = 0.0
     """Total time ``average_gradients()`` spent waiting for communication (host time:
     meaningful on gloo; on NCCL ``wait()`` only orders the streams and returns at once)."""
+    bytes_reduced: int = 0
+    """Bytes of gradient buffers handed to reductions (all-reduce, reduce, reduce-scatter),
+    counted at their full size, since the trainer was built."""
+    bytes_gathered: int = 0
+    """Bytes of weight buffers all-gathered (sharded: after each step; fully sharded: each
+    unit before its forward and again before its backward), at their full size."""
 
 
 class Reducer:
@@ -113,6 +119,7 @@ class Reducer:
             if ctx.divide_first:
                 view.mul_(1.0 / ctx.world_size)  # DDP's: times the reciprocal, not a division
             self.works.append(self.mode.launch(ctx, bucket, view))
+            self.stats.bytes_reduced += view.numel() * view.element_size()
         self.launched_in_backward += in_backward
 
     def finish(self) -> None:

@@ -31,6 +31,7 @@ class ShardedOptimizer(Mode):
         self._master: torch.Tensor | None = None
         self._master_grad: torch.Tensor | None = None
         self._pieces: list[tuple[int, int, int, torch.nn.Parameter]] = []
+        self.bytes_gathered = 0
 
     def bucket_cuts(self, ctx: Context) -> tuple[int, ...]:
         return tuple(a for a, _ in ctx.geometry.ranges())
@@ -111,6 +112,7 @@ class ShardedOptimizer(Mode):
         # r * per_rank, NCCL's in-place condition. all_gather_single is its 2.13 name.
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(flat[: ctx.geometry.total], flat[s0:e0], group=ctx.group)
+        self.bytes_gathered += ctx.geometry.total * flat.element_size()
 
     def zero_grad(self) -> None:
         for *_, piece in self._pieces:

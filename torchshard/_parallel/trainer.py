@@ -9,17 +9,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._dist import Coordinator, destroy_owned_group, init_distributed
-from .._errors import TorchShardError
+from .._dist import Coordinator, destroy_owned_group, exchange_bytes, init_distributed
+from .._errors import RankMismatchError, TorchShardError
 from .._flat.geometry import Geometry
 from .._flat.module import FlatParamModule
 from .._log import get_logger
 from .buckets import Bucket, plan_buckets
+from .full import FullReducer, FullyShard
 from .mode import Context, Mode, Segment
 from .reducer import CommStats, Reducer
 from .replicated import Replicated
 from .setup import assert_in_sync, bind_buffers, check_same_model, native_mean, pick_device
 from .sharded import ShardedOptimizer
+from .units import UnitSpec
 
 __all__ = ["CommStats", "DistributedTrainer"]
 
@@ -59,8 +61,20 @@ class DistributedTrainer:
             bucket by bucket during backward, the optimizer built by
             :meth:`make_optimizer` keeps state for the rank's slice only, and
             :meth:`step` all-gathers the updated slices.
-        master_dtype: sharded mode with a lower-precision flat buffer (e.g.
-            bf16): the optimizer updates a copy of the rank's slice in this dtype.
+            ``shard="full"``: fully sharded (ZeRO-3): each rank persistently
+            holds only its stripe of every unit's weights, gradients and
+            optimizer state; a unit's weights are gathered for its forward and
+            its backward and freed after each (see :meth:`gathered`).
+        master_dtype: sharded modes with a lower-precision flat buffer (e.g.
+            bf16): the optimizer updates a copy of the rank's part in this dtype.
+        units: ``shard="full"``: the modules gathered one at a time: ``"auto"``
+            (a transformers model's ``_no_split_modules`` blocks, else each child
+            of the largest ``nn.ModuleList``), module names or classes, or a
+            callable ``(name, module) -> bool``. Parameters outside every unit
+            form root units, gathered for the whole step.
+        prefetch: ``shard="full"``: units gathered ahead of the one running.
+        reshard_after_forward: ``shard="full"``: free a unit after its forward
+            (gather it again for backward); ``False`` keeps it until its backward.
 
     Example::
 
@@ -85,8 +99,11 @@ class DistributedTrainer:
         bucket_mb: float = 25,
         src: int = 0,
         init_fn: Callable[[torch.nn.Module], None] | None = None,
-        shard: bool = False,
+        shard: bool | str = False,
         master_dtype: torch.dtype = torch.float32,
+        units: UnitSpec = "auto",
+        prefetch: int = 1,
+        reshard_after_forward: bool = True,
     ) -> None:
         if not isinstance(fm, FlatParamModule):
             raise TorchShardError(
@@ -104,23 +121,31 @@ class DistributedTrainer:
             raise TorchShardError(f"src: expected a rank in [0, {self.world_size}), got {src}")
         self.module = fm
         self.device = pick_device(fm, device, self._group)
-        self._mode = _pick_mode(shard, master_dtype)  # the one place modes are chosen
-        self.shard = self._mode.sharded
+        # the one place modes are chosen
+        self._mode = _pick_mode(shard, master_dtype, units, prefetch, reshard_after_forward)
+        self.shard: bool | str = self._mode.label or self._mode.sharded
         layout = fm.layout
         self._geometry = Geometry.of(layout, self.world_size, pad=self._mode.pads)
         self.padded_numel = self._geometry.total
-        bind_buffers(fm, self._mode, self.padded_numel, self.device, self.world_size, init_fn)
-        self._flat = fm.flat_param
         self._closed = False
-        token = check_same_model(fm, self._mode, self._group, self.device, src)
+        if isinstance(self._mode, FullyShard):
+            # the model is checked before the first collective that depends on it
+            token = check_same_model(fm, self._mode, self._group, self.device, src)
+            self._params = self._mode.adopt(fm, self.device, self._group, src, init_fn)
+            self._flat = None
+            unwritten = fm.unwritten_buffers()
+            self._broadcast_buffers(src)
+        else:
+            bind_buffers(fm, self._mode, self.padded_numel, self.device, self.world_size, init_fn)
+            self._flat = fm.flat_param
+            token = check_same_model(fm, self._mode, self._group, self.device, src)
+            unwritten = fm.unwritten_buffers()  # the same on every rank: same model and init
+            self.broadcast(src)
+            self._params = tuple(p for _, p in fm.named_flat_views())
+        fm._still_unwritten(unwritten)  # src's zeros are no value: check at the first forward
         self._coordinator = (
             Coordinator(token, self.rank, self.world_size) if self.world_size > 1 else None
         )
-        unwritten = fm.unwritten_buffers()  # the same on every rank: the same model and init
-        self.broadcast(src)
-        fm._still_unwritten(unwritten)  # src's zeros are no value: check at the first forward
-
-        self._params = tuple(p for _, p in fm.named_flat_views())
         self._trainable = tuple(i for i, s in enumerate(layout.slots) if s.requires_grad)
         # NCCL averages natively (ReduceOp.AVG: a pre-multiplied sum, no extra pass).
         # Elsewhere a bucket is scaled by 1/world as it launches: float16 must be (it tops
@@ -152,7 +177,11 @@ class DistributedTrainer:
         self._mode.setup(self._ctx, self._buckets)
         self._optimizer: torch.optim.Optimizer | None = None
         self.group_names: list[list[str]] = []  # per param group of make_optimizer's optimizer
-        self._reducer = Reducer(self._ctx, self._mode, self._buckets)
+        self._reducer: Reducer | FullReducer = (
+            FullReducer(self._mode)
+            if isinstance(self._mode, FullyShard)
+            else Reducer(self._ctx, self._mode, self._buckets)
+        )
         self.stats = self._reducer.stats
         logger.info(
             "DistributedTrainer: rank %d of %d on %s, %d parameters in %d bucket(s)",
@@ -211,6 +240,7 @@ class DistributedTrainer:
     def broadcast(self, src: int = 0) -> None:
         """Copy ``src``'s flat parameter buffer and module buffers to every rank."""
         self._check_open()
+        self._not_full("broadcast()")
         if not 0 <= src < self.world_size:
             raise TorchShardError(f"src: expected a rank in [0, {self.world_size}), got {src}")
         if self.world_size == 1:
@@ -220,8 +250,41 @@ class DistributedTrainer:
         # torch's broadcast takes a global rank; src is a rank of our group.
         root = src if self._group is None else dist.get_global_rank(self._group, src)
         dist.broadcast(flat, root, group=self._group)
-        for b in self.module.module.buffers():
-            dist.broadcast(b, root, group=self._group)
+        self._broadcast_buffers(src)
+
+    def _broadcast_buffers(self, src: int) -> None:
+        if self.world_size > 1:
+            root = src if self._group is None else dist.get_global_rank(self._group, src)
+            for b in self.module.module.buffers():
+                dist.broadcast(b, root, group=self._group)
+
+    def _not_full(self, what: str) -> None:
+        if isinstance(self._mode, FullyShard):
+            raise TorchShardError(
+                f"{what}: not available with shard='full': each rank holds only its stripes "
+                "of the weights (they are the same everywhere by construction); use "
+                "`with trainer.gathered():` to see every weight"
+            )
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every parameter materialized and equal on all ranks, inside the block.
+
+        For evaluation, generation, export or ``fm.state_dict()`` in fully sharded
+        mode; on exit the units are freed again. Every rank must enter it (it
+        gathers). In the other modes the weights are always whole: a no-op.
+
+        Example::
+
+            with trainer.gathered():
+                sd = {k: v.clone() for k, v in fm.state_dict().items()}
+        """
+        self._check_open()
+        if isinstance(self._mode, FullyShard):
+            with torch.no_grad(), self._mode.gathered():
+                yield
+        else:
+            yield
 
     @torch.no_grad()
     def all_reduce_parameters(self, op: str = "mean") -> None:
@@ -233,6 +296,7 @@ class DistributedTrainer:
                 trainer.all_reduce_parameters()
         """
         self._check_open()
+        self._not_full("all_reduce_parameters()")
         if op not in _REDUCE_OPS:
             raise TorchShardError(f"op: expected one of {sorted(_REDUCE_OPS)}, got {op!r}")
         if self.world_size == 1:
@@ -366,7 +430,9 @@ class DistributedTrainer:
         if not self._reducer.averaged:
             self.average_gradients()
         self._optimizer.step()
+        before = self._mode.bytes_gathered
         self._mode.after_step(self._ctx)
+        self.stats.bytes_gathered += self._mode.bytes_gathered - before
         self._reducer.averaged = False
 
     def gather_slices(self) -> None:
@@ -386,7 +452,14 @@ class DistributedTrainer:
         self._mode.refresh_master(self._ctx)
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds: ``parameters``, ``gradients``, ``optimizer`` state, ``master``."""
+        """Bytes this rank holds: ``parameters``, ``gradients``, ``optimizer`` state, ``master``
+        (persistent), and ``transient``: unit buffers allocated now (``shard="full"``; else 0).
+
+        Example::
+
+            m = trainer.memory_bytes()
+            print(sum(m.values()) / 2**20, "MiB")
+        """
         flat, grad = self._flat, self.module.flat_grad
         opt = 0
         if self._optimizer is not None:
@@ -394,13 +467,40 @@ class DistributedTrainer:
                 for v in state.values():
                     if isinstance(v, torch.Tensor):
                         opt += v.numel() * v.element_size()
+        if isinstance(self._mode, FullyShard):
+            return self._mode.memory(opt)
+        assert flat is not None
         master = self._mode.master_bytes()
         return {
             "parameters": flat.numel() * flat.element_size(),
             "gradients": 0 if grad is None else grad.numel() * grad.element_size(),
             "optimizer": opt,
             "master": master,
+            "transient": 0,
         }
+
+    def check_collective_order(self) -> None:
+        """Raise :class:`RankMismatchError` on every rank if the ranks issued different
+        sequences of gathers and reductions so far (``shard="full"``; a debug check, one
+        small exchange; the other modes launch in a fixed bucket order and pass).
+
+        Example::
+
+            trainer.step()
+            trainer.check_collective_order()   # e.g. after the first steps of a new model
+        """
+        self._check_open()
+        if not isinstance(self._mode, FullyShard) or self.world_size == 1:
+            return
+        mine = self._mode.order_digest().encode()
+        everyone = [r.decode() for r in exchange_bytes(mine, self._group, self.device)]
+        odd = [r for r, d in enumerate(everyone) if d != everyone[0]]
+        if odd:
+            raise RankMismatchError(
+                f"ranks {odd} issued other collectives than rank 0 (digests per communicator: "
+                f"rank 0 {everyone[0]}, rank {odd[0]} {everyone[odd[0]]}); every rank must run "
+                "the same modules in the same order (a branch taken on some ranks only?)"
+            )
 
     @torch.no_grad()
     def assert_in_sync(self) -> None:
@@ -410,7 +510,8 @@ class DistributedTrainer:
         the first one that differs and the ranks that hold other values.
         """
         self._check_open()
-        assert_in_sync(self.module, self._group, self.device, self.world_size)
+        with self.gathered():
+            assert_in_sync(self.module, self._group, self.device, self.world_size)
 
     # -- teardown ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -445,8 +546,21 @@ class DistributedTrainer:
             )
 
 
-def _pick_mode(shard: bool, master_dtype: torch.dtype) -> Mode:
+def _pick_mode(
+    shard: bool | str,
+    master_dtype: torch.dtype,
+    units: UnitSpec,
+    prefetch: int,
+    reshard_after_forward: bool,
+) -> Mode:
     """The parallel mode for ``shard=``: read once, here (a new mode is a file and a line)."""
-    if shard not in (True, False):
-        raise TorchShardError(f"shard: expected True or False, got {shard!r}")
+    if isinstance(shard, str) and shard == "full":
+        return FullyShard(master_dtype, units, prefetch, reshard_after_forward)
+    if shard is not True and shard is not False:
+        raise TorchShardError(f"shard: expected True, False or 'full', got {shard!r}")
+    defaults = {"units": "auto", "prefetch": 1, "reshard_after_forward": True}
+    given = {"units": units, "prefetch": prefetch, "reshard_after_forward": reshard_after_forward}
+    for name, value in given.items():
+        if not (value is defaults[name] or (type(value) is type(defaults[name]) and value == defaults[name])):
+            raise TorchShardError(f"{name}: only with shard='full', got {value!r} with shard={shard!r}")
     return ShardedOptimizer(master_dtype) if shard else Replicated()
