@@ -143,12 +143,17 @@ def check_same_model(
 
 @torch.no_grad()
 def assert_in_sync(
-    fm: FlatParamModule, group: dist.ProcessGroup | None, device: torch.device, world_size: int
+    fm: FlatParamModule,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    world_size: int,
+    params: tuple[torch.Tensor, ...],
 ) -> None:
     """Raise :class:`RankMismatchError` on every rank if any rank's weights differ, naming
-    the first parameter or buffer that differs and the ranks that hold other values."""
+    the first parameter (``params``: by slot) or buffer that differs and the ranks that hold
+    other values."""
     names, sums = [], []
-    for slot, p in fm.named_flat_views():
+    for slot, p in zip(fm.layout.slots, params):
         names.append(slot.name)
         sums.append(_bit_checksum(p))
     for name, b in fm.module.named_buffers():

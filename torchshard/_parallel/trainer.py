@@ -511,7 +511,7 @@ class DistributedTrainer:
         """
         self._check_open()
         with self.gathered():
-            assert_in_sync(self.module, self._group, self.device, self.world_size)
+            assert_in_sync(self.module, self._group, self.device, self.world_size, self._params)
 
     # -- teardown ---------------------------------------------------------------------------
     def close(self) -> None:

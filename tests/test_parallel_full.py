@@ -1,0 +1,518 @@
+"""The fully sharded mode (``shard="full"``) against its oracles: torch DDP, the replicated
+and the sharded modes, and the initialization of a meta-built model.
+
+The test model is the sharded tests' tiny GPT (a tied embedding and head: one root unit)
+plus two auxiliary heads: ``aux`` is used on some ranks in some steps, ``aux2`` by rank 0
+only, every fourth step, so in the others no rank uses it and AdamW must skip it; the
+position embedding is frozen. Bitwise at 2 ranks (a sum of two divided by two rounds as
+DDP's sum of halves does); at 3 within 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import copy
+import pytest
+import torch
+import torch.distributed as dist
+from gpt import GPT, GPTConfig
+from multiprocess import run_distributed
+from sharded_harness import CFG, KW, Model, batch, no_decay
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+
+from torchshard import DistributedTrainer, FlatParamModule, TorchShardError
+from torchshard._flat.layout import FlatLayout
+from torchshard._parallel.units import resolve_units
+
+ADAMW = dict(lr=1e-2, eps=1e-6, weight_decay=0.1)
+
+
+class Heads(Model):
+    """The model plus two auxiliary heads that some steps (and ranks) do not use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(CFG.n_embd, 1)
+        self.aux2 = nn.Linear(CFG.n_embd, 1)
+
+    def forward(self, idx, targets, use_aux=False, use_aux2=False):  # type: ignore[override]
+        logits, loss = super().forward(idx, targets)
+        h = self.wte(idx)
+        if use_aux:
+            loss = loss + self.aux(h).pow(2).mean()
+        if use_aux2:
+            loss = loss + self.aux2(h).pow(2).mean()
+        return logits, loss
+
+
+def flags(rank: int, step: int) -> dict:
+    return dict(use_aux=(step + rank) % 3 == 0, use_aux2=step % 4 == 0 and rank == 0)
+
+
+def heads(seed: int = 0) -> Heads:
+    torch.manual_seed(seed)
+    m = Heads()
+    m.wpe.weight.requires_grad_(False)
+    return m
+
+
+def weights(trainer: DistributedTrainer) -> list[torch.Tensor]:
+    """Every parameter's values, by slot (copies: in full mode the views are freed after)."""
+    with trainer.gathered():
+        return [p.detach().clone() for _, p in _slots(trainer)]
+
+
+def _slots(trainer: DistributedTrainer):
+    fm = trainer.module
+    params = dict(fm.module.named_parameters(remove_duplicate=False))
+    return [(s, params[s.name]) for s in fm.layout.slots]
+
+
+def optimizer_flat(trainer: DistributedTrainer) -> dict[str, torch.Tensor]:
+    """The optimizer's tensors and state laid out like the flat buffer, every rank's part
+    summed in (each element comes from exactly one rank), identical on every rank."""
+    n = trainer.module.layout.numel
+    opt = trainer.optimizer
+    out = {"master": torch.zeros(n, dtype=torch.float32)}
+    for key in ("exp_avg", "exp_avg_sq"):
+        out[key] = torch.zeros(n, dtype=torch.float32)
+    for _, a, b, t in trainer.optimizer_segments():
+        out["master"][a:b] = t.detach().float().reshape(-1)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in opt.state.get(t, {}):
+                out[key][a:b] = opt.state[t][key].float().reshape(-1)
+    for v in out.values():
+        dist.all_reduce(v, group=trainer.process_group)
+    return out
+
+
+# -- parity: DDP, the replicated mode ---------------------------------------------------------
+def _parity(steps: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = heads()
+    full_model, rep_model = copy.deepcopy(ref), copy.deepcopy(ref)
+    full = DistributedTrainer(FlatParamModule(full_model, align_bytes=4), shard="full")
+    rep = DistributedTrainer(FlatParamModule(rep_model, align_bytes=4), bucket_mb=0.004)
+    ddp = DDP(ref, find_unused_parameters=True)
+    full.make_optimizer(torch.optim.AdamW, **ADAMW)
+    rep.make_optimizer(torch.optim.AdamW, **ADAMW)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    units = [(u.name, u.root, u.kept) for u in full._mode.units]
+    aux2 = {i for i, s in enumerate(full.module.layout.slots) if s.name.startswith("aux2.")}
+    worst = {"ddp": 0.0, "replicated": 0.0}
+    checked = 0
+    for step in range(steps):
+        for t in (full, rep):
+            t.zero_grad()
+            t.module(*batch(rank, step), **flags(rank, step))[1].backward()
+            t.step()
+        ref_opt.zero_grad()
+        ddp(*batch(rank, step), **flags(rank, step))[1].backward()
+        ref_opt.step()
+        for slot, _, _, piece in full.optimizer_segments():
+            if slot in aux2:  # no rank used it: AdamW skipped it, as DDP's grad None does
+                assert (piece.grad is None) == (step % 4 != 0), step
+                checked += 1
+        got = weights(full)
+        for name, want in (("ddp", [p for _, p in _named(ref, full)]), ("replicated", weights(rep))):
+            for (s, _), a, b in zip(_slots(full), got, want):
+                if world == 2:
+                    assert torch.equal(a, b), f"step {step}: {s.name} differs from {name}"
+                else:
+                    close(a, b, f"step {step}: {s.name} vs {name}")
+                worst[name] = max(worst[name], (a - b).abs().max().item())
+    full.check_collective_order()
+    full.assert_in_sync()
+    memory = full.memory_bytes()
+    full.close()
+    rep.close()
+    return {"worst": worst, "units": units, "aux2_checked": checked, "memory": memory}
+
+
+def close(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
+    """Within 1e-5 relative, as a tensor: ``|a - b| <= 1e-5 |b|`` in the 2-norm. Elementwise
+    it cannot hold: where a gradient is nearly zero (the key projection's: softmax ignores a
+    shift of the keys) AdamW divides a last-bit difference of a mean of three by sqrt(v)."""
+    err, scale = (a - b).double().norm().item(), b.double().norm().item()
+    assert err <= 1e-5 * scale, f"{where}: |a - b| = {err:.3g}, |b| = {scale:.3g}"
+
+
+def _named(ref: nn.Module, trainer: DistributedTrainer):
+    params = dict(ref.named_parameters(remove_duplicate=False))
+    return [(s, params[s.name].detach()) for s in trainer.module.layout.slots]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_full_matches_ddp_and_the_replicated_mode_every_step(world_size):
+    results = run_distributed(_parity, world_size, 6, timeout=240)
+    r0 = results[0]
+    assert r0["units"] == [
+        ("<root gain..wpe.weight>", True, True),
+        ("blocks.0", False, False),
+        ("blocks.1", False, False),
+        ("<root ln_f.weight..aux2.bias>", True, True),
+    ]
+    if world_size == 2:
+        assert all(r["worst"] == {"ddp": 0.0, "replicated": 0.0} for r in results), results
+    assert sum(r["aux2_checked"] for r in results) > 0  # some rank's stripe holds aux2
+    # between steps nothing is gathered: only the stripes persist
+    assert all(r["memory"]["transient"] == 0 for r in results)
+
+
+# -- bf16 with an fp32 master: the sharded mode ------------------------------------------------
+def _bf16(steps: int) -> dict:
+    rank = dist.get_rank()
+    out = {}
+    trainers = {}
+    for shard in (True, "full"):
+        torch.manual_seed(0)
+        fm = FlatParamModule(Model(), align_bytes=4, dtype=torch.bfloat16)
+        t = DistributedTrainer(fm, shard=shard, bucket_mb=0.004)
+        t.make_optimizer(torch.optim.AdamW, groups=[(no_decay, {"weight_decay": 0.0})], **KW)
+        trainers[shard] = t
+    for step in range(steps):
+        for t in trainers.values():
+            t.zero_grad()
+            t.module(*batch(rank, step))[1].backward()
+            t.clip_grad_norm_(1e9)  # the global norm, not clipping
+            t.step()
+    states = {k: optimizer_flat(t) for k, t in trainers.items()}
+    for key in states[True]:
+        assert torch.equal(states[True][key], states["full"][key]), key
+    for (s, _), a, b in zip(_slots(trainers[True]), weights(trainers[True]), weights(trainers["full"])):
+        assert torch.equal(a, b), s.name
+    out["memory"] = trainers["full"].memory_bytes()
+    out["shard_dtype"] = str(trainers["full"]._mode.shard.dtype)
+    for t in trainers.values():
+        t.close()
+    return out
+
+
+def test_bf16_with_an_fp32_master_matches_the_sharded_mode_bitwise():
+    results = run_distributed(_bf16, 2, 4, timeout=240)
+    for r in results:
+        assert r["shard_dtype"] == "torch.float32"
+        m = r["memory"]
+        # no bf16 copy persists: the fp32 master stripes and their gradient, and AdamW's state
+        assert m["parameters"] == m["gradients"] == 0 and m["master"] > 0
+        assert m["optimizer"] >= m["master"]  # exp_avg and exp_avg_sq, both fp32
+
+
+# -- initialization from meta ------------------------------------------------------------------
+BIG = GPTConfig(vocab_size=60, block_size=8, n_layer=6, n_head=2, n_embd=24)
+
+
+def _meta_init(hf: bool) -> dict:
+    out = {}
+    got = {}
+    for shard in (False, "full"):
+        torch.manual_seed(1234)
+        with torch.device("meta"):
+            model = _hf_model() if hf else GPT(BIG)
+        t = DistributedTrainer(FlatParamModule(model), shard=shard)
+        if shard == "full":
+            mode = t._mode
+            item = t.module.dtype.itemsize
+            largest = max(g.total for g in mode.geoms) * item
+            out["peak"], out["largest"] = mode.peak_transient, largest
+            out["model"] = t.module.layout.numel * item
+            out["units"] = len(mode.units)
+            with t.gathered():
+                out["buffers_ok"] = all(
+                    torch.equal(b, b2)
+                    for b, b2 in zip(t.module.module.buffers(), t.module.module.buffers())
+                )
+        got[shard] = weights(t)
+        t.close()
+    for a, b in zip(got[False], got["full"]):
+        assert torch.equal(a, b)
+    return out
+
+
+def _hf_model() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=5, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    return GPT2LMHeadModel(cfg)
+
+
+@pytest.mark.parametrize("hf", [False, True], ids=["gpt", "transformers"])
+def test_meta_init_unit_by_unit_equals_todays_initialization(hf):
+    r = run_distributed(_meta_init, 2, hf, timeout=240)[0]
+    assert r["units"] >= 6
+    # never the whole model: at most three units materialized at once
+    assert r["peak"] <= 3 * r["largest"] < r["model"], r
+
+
+# -- gradient accumulation, no_sync, activation checkpointing, options -------------------------
+def _accumulate() -> float:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = Model()  # every parameter used: DDP without find_unused_parameters
+    ref.wpe.weight.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    full = DistributedTrainer(FlatParamModule(model, align_bytes=4), shard="full")
+    ddp = DDP(ref)
+    full.make_optimizer(torch.optim.AdamW, **ADAMW)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    with pytest.raises(TorchShardError, match="no_sync.*shard='full'"):
+        with full.no_sync():
+            pass
+    worst = 0.0
+    for step in range(3):
+        full.zero_grad()
+        for micro in range(3):  # every backward reduce-scatters into the stripes
+            full.module(*batch(rank, 10 * step + micro))[1].backward()
+        full.step()
+        ref_opt.zero_grad()
+        with ddp.no_sync():
+            for micro in range(2):
+                ddp(*batch(rank, 10 * step + micro))[1].backward()
+        ddp(*batch(rank, 10 * step + 2))[1].backward()
+        ref_opt.step()
+        for (s, p), a in zip(_named(ref, full), weights(full)):
+            # sums of three micro-batches per rank in another order than DDP's
+            close(a, p, f"step {step}: {s.name}")
+            worst = max(worst, (a - p).abs().max().item())
+    full.close()
+    return worst
+
+
+def test_gradient_accumulation_reduce_scatters_every_backward_and_no_sync_raises():
+    worst = run_distributed(_accumulate, 2, timeout=240)
+    assert max(worst) < 1e-5
+
+
+class Checkpointed(Model):
+    """The model with each block under activation checkpointing (recomputed in backward)."""
+
+    def forward(self, idx, targets):  # type: ignore[override]
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        logits = self.lm_head(self.ln_f(x))
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss * self.gain.mean()
+
+
+def _variants() -> dict:
+    rank = dist.get_rank()
+    variants = {
+        "default": (Model, {}),
+        "checkpointed": (Checkpointed, {}),
+        "prefetch 0": (Model, {"prefetch": 0}),
+        "prefetch 2": (Model, {"prefetch": 2}),
+        "kept after forward": (Model, {"reshard_after_forward": False}),
+        "units by class": (Model, {"units": [type(Model().blocks[0])]}),
+        "units by callable": (Model, {"units": lambda n, m: n in ("blocks.0", "blocks.1")}),
+    }
+    got, peaks = {}, {}
+    for name, (cls, kw) in variants.items():
+        torch.manual_seed(0)
+        t = DistributedTrainer(FlatParamModule(cls(), align_bytes=4), shard="full", **kw)
+        t.make_optimizer(torch.optim.AdamW, **ADAMW)
+        for step in range(3):
+            t.zero_grad()
+            t.module(*batch(rank, step))[1].backward()
+            t.step()
+            assert t.memory_bytes()["transient"] == 0, name  # freed between steps
+        got[name], peaks[name] = weights(t), t._mode.peak_transient
+        t.close()
+    for name in variants:
+        for a, b in zip(got["default"], got[name]):
+            assert torch.equal(a, b), name
+    return peaks
+
+
+def test_checkpointing_prefetch_and_units_options_train_bitwise_alike():
+    run_distributed(_variants, 2, timeout=240)
+
+
+def _peaks() -> dict:
+    rank = dist.get_rank()
+    out = {}
+    for name, kw in {"default": {}, "prefetch 2": {"prefetch": 2},
+                     "kept after forward": {"reshard_after_forward": False}}.items():
+        torch.manual_seed(0)
+        t = DistributedTrainer(FlatParamModule(GPT(BIG)), shard="full", **kw)
+        t.make_optimizer(torch.optim.AdamW, **ADAMW)
+        mode = t._mode
+        mode.peak_transient = 0  # from here: training only
+        idx = torch.randint(0, BIG.vocab_size, (2, BIG.block_size + 1), generator=torch.Generator().manual_seed(rank))
+        for _ in range(2):
+            t.zero_grad()
+            t.module(idx[:, :-1], idx[:, 1:])[1].backward()
+            t.step()
+        item = t.module.dtype.itemsize
+        blocks = [g.total * item for u, g in zip(mode.units, mode.geoms) if not u.kept]
+        kept = sum(g.total * item for u, g in zip(mode.units, mode.geoms) if u.kept)
+        out[name] = {"peak": mode.peak_transient, "block": max(blocks), "n": len(blocks), "kept": kept}
+        t.close()
+    return out
+
+
+def test_only_a_few_units_are_ever_gathered_at_once():
+    r = run_distributed(_peaks, 2, timeout=240)[0]
+    d, p2, keep = r["default"], r["prefetch 2"], r["kept after forward"]
+    # the planner's bound: kept units (weights and gradients), (3 + prefetch) blocks
+    assert d["peak"] <= 2 * d["kept"] + 4 * d["block"], d
+    assert p2["peak"] <= 2 * p2["kept"] + 5 * p2["block"], p2
+    assert d["peak"] < d["kept"] + d["n"] * d["block"]  # less than the whole model
+    # keeping every block from its forward to its backward holds them all at once
+    assert keep["peak"] >= keep["kept"] + keep["n"] * keep["block"] > d["peak"]
+
+
+def _gathered() -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    t = DistributedTrainer(FlatParamModule(Model(), align_bytes=4), shard="full")
+    t.make_optimizer(torch.optim.AdamW, **ADAMW)
+    t.zero_grad()
+    t.module(*batch(rank, 0))[1].backward()
+    t.step()
+    with t.gathered():
+        sd = {k: v.clone() for k, v in t.module.state_dict().items()}
+        inside = t.memory_bytes()["transient"]
+        with torch.no_grad():
+            loss = t.module(*batch(0, 99))[1]  # the same batch on every rank
+    after = t.memory_bytes()["transient"]
+    # evaluation outside gathered() works too: each unit gathered and freed in turn
+    with torch.no_grad():
+        loss2 = t.module(*batch(0, 99))[1]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {k: v.sum().item() for k, v in sd.items()})
+    t.close()
+    return {"same": all(e == everyone[0] for e in everyone), "inside": inside, "after": after,
+            "losses": (loss.item(), loss2.item()), "keys": len(sd)}
+
+
+def test_gathered_materializes_every_parameter_equal_on_every_rank_and_frees_on_exit():
+    results = run_distributed(_gathered, 2, timeout=120)
+    for r in results:
+        assert r["same"] and r["inside"] > 0 and r["after"] == 0
+        assert r["losses"][0] == r["losses"][1]
+        assert r["keys"] > 20
+
+
+class SharedAcrossUnits(Model):
+    """A weight of block 0 used again by block 1 (tied across units: FSDP2 refuses this)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        b0, b1 = self.blocks
+        fc0 = next(m for m in b0.modules() if isinstance(m, nn.Linear))
+        fc1 = next(m for m in b1.modules() if isinstance(m, nn.Linear))
+        fc1.weight = fc0.weight
+
+
+def _tied_across_units() -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = SharedAcrossUnits()
+    model = copy.deepcopy(ref)
+    full = DistributedTrainer(FlatParamModule(model, align_bytes=4), shard="full")
+    ddp = DDP(ref)
+    full.make_optimizer(torch.optim.AdamW, **ADAMW)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    for step in range(3):
+        full.zero_grad()
+        full.module(*batch(rank, step))[1].backward()
+        full.step()
+        ref_opt.zero_grad()
+        ddp(*batch(rank, step))[1].backward()
+        ref_opt.step()
+        for (s, p), a in zip(_named(ref, full), weights(full)):
+            assert torch.equal(a, p), (step, s.name)
+    kept = [u.name for u in full._mode.units if u.kept and not u.root]
+    full.close()
+    return {"kept": kept}
+
+
+def test_a_weight_tied_across_units_keeps_its_unit_gathered_and_trains_like_ddp():
+    r = run_distributed(_tied_across_units, 2, timeout=120)[0]
+    assert r["kept"] == ["blocks.0"]
+
+
+# -- bad inputs -----------------------------------------------------------------------------------
+def test_a_unit_that_is_not_a_contiguous_run_of_the_layout_is_refused():
+    # named_parameters() order keeps a module's parameters together; a layout made in
+    # another order (here: by hand) can split one
+    outer = nn.Module()
+    outer.a, outer.c = nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False)
+    root = nn.Module()
+    root.outer, root.b = outer, nn.Linear(2, 2, bias=False)
+    names = ["outer.a.weight", "b.weight", "outer.c.weight"]
+    layout = FlatLayout.from_dict(
+        {"format": 1, "dtype": "float32", "align_bytes": 16, "numel": 12,
+         "slots": [[n, [2, 2], 4 * i, 4, True, []] for i, n in enumerate(names)]}
+    )
+    with pytest.raises(TorchShardError, match=r"module 'outer' is not a contiguous run .*slot 1 \('b.weight'\)"):
+        resolve_units(root, layout, ["outer"])
+    assert [(u.name, u.lo, u.hi) for u in resolve_units(root, layout, ["outer.a", "outer.c"])] == [
+        ("outer.a", 0, 1), ("<root b.weight..b.weight>", 1, 2), ("outer.c", 2, 3)
+    ]
+
+
+def _errors() -> list[str]:
+    msgs = []
+
+    def expect(fn, *args, **kw):
+        try:
+            fn(*args, **kw)
+        except TorchShardError as e:
+            msgs.append(str(e))
+            return
+        msgs.append("no error")
+
+    mk = lambda m, **kw: DistributedTrainer(FlatParamModule(m), **kw)  # noqa: E731
+    expect(mk, Model(), shard="full", units=["blocks.7"])
+    expect(mk, Model(), shard="full", units="blocks")
+    expect(mk, Model(), shard="full", units=[3])
+    expect(mk, Model(), shard="full", prefetch=-1)
+    expect(mk, Model(), shard="full", reshard_after_forward="yes")
+    expect(mk, Model(), shard=True, units=["blocks.0"])
+    expect(mk, Model(), shard=False, prefetch=2)
+    t = mk(Model(), shard="full")
+    expect(t.broadcast)
+    expect(t.all_reduce_parameters)
+    t.close()
+    return msgs
+
+
+def test_bad_inputs_name_what_is_wrong():
+    msgs = run_distributed(_errors, 1, timeout=120)[0]
+    assert "no module named 'blocks.7'" in msgs[0]
+    assert msgs[1].startswith("units: expected 'auto'")
+    assert "got 3" in msgs[2]
+    assert msgs[3].startswith("prefetch: expected an int >= 0, got -1")
+    assert msgs[4].startswith("reshard_after_forward: expected True or False")
+    assert msgs[5].startswith("units: only with shard='full'")
+    assert msgs[6].startswith("prefetch: only with shard='full'")
+    assert msgs[7].startswith("broadcast(): not available with shard='full'")
+    assert msgs[8].startswith("all_reduce_parameters(): not available with shard='full'")
+
+
+def _world_of_one() -> None:
+    torch.manual_seed(0)
+    ref = Model()
+    model = copy.deepcopy(ref)
+    t = DistributedTrainer(FlatParamModule(model, align_bytes=4), shard="full")
+    t.make_optimizer(torch.optim.AdamW, **ADAMW)
+    opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    for step in range(3):
+        t.zero_grad()
+        t.module(*batch(0, step))[1].backward()
+        t.step()
+        opt.zero_grad()
+        ref(*batch(0, step))[1].backward()
+        opt.step()
+    for (s, p), a in zip(_named(ref, t), weights(t)):
+        assert torch.equal(a, p), s.name
+    t.close()
+
+
+def test_full_in_a_world_of_one_trains_like_plain_pytorch():
+
+    run_distributed(_world_of_one, 1, timeout=120)
