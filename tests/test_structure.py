@@ -23,7 +23,7 @@ FLAT = {  # the buffer: imports nothing from parallelism or checkpointing
 }
 PARALLEL = {  # data parallelism: the trainer core, one file per mode, the protocol
     "_parallel.buckets": {"_flat.layout"},
-    "_parallel.memory": {"_flat.geometry", "_flat.layout"},
+    "_parallel.memory": {"_errors", "_flat.geometry", "_flat.layout", "_parallel.units"},
     "_parallel.mode": {"_flat.geometry", "_flat.module", "_parallel.buckets"},
     "_parallel.replicated": {"_parallel.buckets", "_parallel.mode"},
     "_parallel.sharded": {"_parallel.buckets", "_parallel.mode"},
@@ -37,6 +37,18 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_parallel.mode",
     },
     "_parallel.state": {"_dist", "_flat.module", "_parallel.mode"},
+    "_parallel.units": {"_errors", "_flat.geometry", "_flat.layout"},
+    "_parallel.full": {
+        "_errors",
+        "_flat.geometry",
+        "_flat.hf",
+        "_flat.module",
+        "_flat.views",
+        "_parallel.buckets",
+        "_parallel.mode",
+        "_parallel.reducer",
+        "_parallel.units",
+    },
     "_parallel.trainer": {
         "_dist",
         "_errors",
@@ -44,17 +56,20 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_flat.module",
         "_log",
         "_parallel.buckets",
+        "_parallel.full",
         "_parallel.mode",
         "_parallel.reducer",
         "_parallel.replicated",
         "_parallel.setup",
         "_parallel.sharded",
+        "_parallel.units",
     },
 }
 CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the trainer class
     "checkpoint._rules": set(),
     "checkpoint._safetensors": {"_errors"},
     "checkpoint._plan": {"_flat.geometry", "_flat.layout"},
+    "checkpoint._stripes": {"_errors", "checkpoint._plan"},
     "checkpoint._format": {
         "_errors",
         "_flat.layout",
