@@ -23,6 +23,10 @@ continues the epoch exactly (docs/data.md).
     # FSDP-lite: optimizer state and gradients sharded, bf16 weights with an fp32 master
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --shard --bf16
 
+    # fully sharded (ZeRO-3): weights, gradients and optimizer state sharded; each block's
+    # weights gathered for its forward and backward only
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --shard full --bf16
+
     # two machines (the same command on each; HOST0 is one of them)
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \
         --rdzv-endpoint HOST0:29500 --rdzv-id my-run examples/train_gpt.py
@@ -114,7 +118,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--overwrite", action="store_true", help="delete the checkpoints of an earlier run first"
     )
     p.add_argument(
-        "--shard", action="store_true", help="FSDP-lite: shard optimizer state and grads"
+        "--shard",
+        nargs="?",
+        const="optimizer",
+        choices=["optimizer", "full"],
+        help="--shard: FSDP-lite, optimizer state and gradients sharded; --shard full:\n"
+        "fully sharded (ZeRO-3), the weights too, one transformer block gathered at a time",
     )
     p.add_argument("--bf16", action="store_true", help="bf16 weights (with --shard: fp32 master)")
     p.add_argument(
@@ -283,7 +292,7 @@ def main(argv: list[str] | None = None) -> float:
         device=info.device,
         bucket_mb=args.bucket_mb,
         init_fn=init_gpt_weights,
-        shard=args.shard,
+        shard={None: False, "optimizer": True, "full": "full"}[args.shard],
     )
 
     # No weight decay for biases, LayerNorms and position embeddings; the same groups in
@@ -319,14 +328,14 @@ def main(argv: list[str] | None = None) -> float:
             )
             load_data_state(sampler, resumed.extra)
     log.info(
-        "world %d on %s, %s: %.2fM parameters, corpus %d bytes, %d buckets of %g MiB",
+        "world %d on %s, %s: %.2fM parameters, corpus %d bytes, %d %s",
         info.world_size,
         info.device,
-        "sharded" if args.shard else "replicated",
+        {None: "replicated", "optimizer": "sharded", "full": "fully sharded"}[args.shard],
         fm.layout.param_numel / 1e6,
         len(train) + len(val),
         trainer.stats.buckets,
-        args.bucket_mb,
+        "units" if args.shard == "full" else f"buckets of {args.bucket_mb:g} MiB",
     )
 
     tokens_per_step = args.batch_size * args.block_size * args.grad_accum  # all ranks
@@ -346,7 +355,8 @@ def main(argv: list[str] | None = None) -> float:
         for micro in range(args.grad_accum):
             # pinned by the DataLoader on CUDA: the host queues the copies and goes on
             x, y = (t.to(info.device, non_blocking=True) for t in next(batches))
-            sync_later = micro < args.grad_accum - 1
+            # fully sharded: every backward reduce-scatters (no unsharded gradient to keep)
+            sync_later = micro < args.grad_accum - 1 and trainer.shard != "full"
             with trainer.no_sync() if sync_later else contextlib.nullcontext():
                 _, loss = fm(x, y)
                 (loss / args.grad_accum).backward()

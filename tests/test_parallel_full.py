@@ -388,6 +388,32 @@ def _gathered() -> dict:
             "losses": (loss.item(), loss2.item()), "keys": len(sd)}
 
 
+def _compiled() -> None:
+    rank = dist.get_rank()
+    got = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = Model()
+        if compiled:  # each block's inner forward: the unit's hooks stay outside the graph
+            for block in model.blocks:
+                block.forward = torch.compile(block.forward, backend="aot_eager", dynamic=False)
+        t = DistributedTrainer(FlatParamModule(model, align_bytes=4), shard="full")
+        t.make_optimizer(torch.optim.AdamW, **ADAMW)
+        for step in range(2):
+            t.zero_grad()
+            t.module(*batch(rank, step))[1].backward()
+            t.step()
+        got[compiled] = weights(t)
+        t.close()
+    for a, b in zip(got[False], got[True]):
+        close(a, b, "compiled per block")
+
+
+@pytest.mark.slow
+def test_torch_compile_per_block_trains_like_eager():
+    run_distributed(_compiled, 2, timeout=300)
+
+
 def test_gathered_materializes_every_parameter_equal_on_every_rank_and_frees_on_exit():
     results = run_distributed(_gathered, 2, timeout=120)
     for r in results:
