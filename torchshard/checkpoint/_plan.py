@@ -18,12 +18,34 @@ from dataclasses import dataclass
 from .._flat.geometry import Geometry, overlap, weight_shards
 from .._flat.layout import FlatLayout
 
-__all__ = ["Piece", "SharePlan", "overlap", "plan_share", "state_ranges", "weight_runs"]
+__all__ = [
+    "Piece",
+    "SharePlan",
+    "exchange_splits",
+    "overlap",
+    "plan_share",
+    "state_ranges",
+    "weight_runs",
+    "weight_tiles",
+]
 
 
 def weight_runs(layout: FlatLayout, world_size: int) -> list[tuple[int, int]]:
     """Each rank's run ``[lo, hi)`` of whole parameters (slot indices) in the model files."""
     return weight_shards(layout, world_size)
+
+
+def weight_tiles(layout: FlatLayout, world_size: int) -> list[tuple[int, int]]:
+    """Each rank's run of whole parameters as elements ``[start, end)`` of the flat buffer,
+    widened to tile ``[0, layout.numel)``: from its first parameter to the next rank's (the
+    alignment gap after its last parameter, or the whole tail, comes with it; an empty run is
+    an empty tile). What a fully sharded save gathers each model file's weights into."""
+    n, slots = layout.numel, layout.slots
+    starts = [
+        slots[lo].offset if lo < len(slots) else n for lo, _ in weight_runs(layout, world_size)
+    ]
+    starts[0] = 0
+    return [(a, starts[q + 1] if q + 1 < world_size else n) for q, a in enumerate(starts)]
 
 
 def state_ranges(layout: FlatLayout, world_size: int) -> list[tuple[int, int]]:
@@ -95,3 +117,31 @@ def plan_share(
     if pos < e0:
         pieces.append(Piece(pos, e0, None))
     return SharePlan(rank, world_size, (lo, hi), span, (s0, e0), tuple(pieces))
+
+
+def exchange_splits(
+    stripes: Sequence[tuple[int, int]], dest: Sequence[tuple[int, int]], rank: int
+) -> tuple[list[int], list[int]]:
+    """For one unit of a fully sharded save: how many elements ``rank`` sends to each rank
+    (its stripe's overlap with their range) and receives from each (their stripes' overlap
+    with its range), as ``all_to_all_single``'s input and output split sizes.
+
+    ``stripes``: every rank's ``[a, b)`` of the unit, in rank order, tiling it; ``dest``:
+    every rank's range to fill, in rank order, tiling at least the unit. Both are runs in
+    rank order, so what a rank sends is its stripe in order, and what it receives is its
+    range's part of the unit in order.
+
+    Example::
+
+        exchange_splits([(0, 6), (6, 10)], [(0, 4), (4, 10)], 0)  # ([4, 2], [4, 0])
+    """
+
+    def size(a: tuple[int, int], b: tuple[int, int]) -> int:
+        ov = overlap(a, b)
+        return 0 if ov is None else ov[1] - ov[0]
+
+    mine, target = stripes[rank], dest[rank]
+    send = [size(mine, d) for d in dest]
+    if sum(send) != mine[1] - mine[0]:
+        raise ValueError(f"dest: expected ranges that cover the stripe {mine}, got {list(dest)}")
+    return send, [size(s, target) for s in stripes]
