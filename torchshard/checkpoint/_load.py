@@ -4,7 +4,8 @@ Rank r of the current world reads only the parts of the saved files that
 overlap its element range ``[s, e)`` of the flat buffer, into host memory,
 verifying checksums. Only when every rank has read its part without error
 does anything change: each rank copies its range into place and the ranges
-are broadcast, so every rank ends with the whole buffer.
+are broadcast, so every rank ends with the whole buffer. A fully sharded rank
+reads its stripes instead, and keeps them: nothing is broadcast.
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ def _read_share(
 ) -> dict[str, Any]:
     """Read this rank's element range of weights and optimizer state, and the buffers, to host.
 
+    A fully sharded rank reads its stripes instead, into tensors laid out like its shard:
+    each rank reads exactly what it holds, and nothing is exchanged after.
+
     Into plain (pageable) host memory, also for a CUDA trainer: each byte crosses to
     the device once, and page-locking it first would cost about as much as the faster
     copy saves; torch's pinned allocator would also round each buffer up to a power of
@@ -84,17 +88,23 @@ def _read_share(
     """
     layout = t.fm.layout
     s, e = state_ranges(layout, t.world)[t.rank]
-    weights = torch.zeros(e - s, dtype=layout.torch_dtype)
+    # (start, end, at): flat elements [start, end) go to [at, at + end - start) of what is read
+    if t.stripes is None:
+        mine, numel = [(s, e, 0)], e - s
+    else:
+        mine, numel = t.stripes.ranges(), t.stripes.shard.numel()
+    weights = torch.zeros(numel, dtype=layout.torch_dtype)
     for shard in meta.weights:
         lo, hi = shard["slots"]
         for slot in layout.slots[lo:hi]:
-            ov = overlap((slot.offset, slot.end), (s, e))
-            if ov is None:
-                continue
-            readers.entry(shard["file"], slot.name, layout.torch_dtype, slot.shape)
-            a, b = ov
-            dst = weights[a - s : b - s]
-            readers[shard["file"]].read_into(slot.name, a - slot.offset, b - slot.offset, dst)
+            for rs, re, at in mine:
+                ov = overlap((slot.offset, slot.end), (rs, re))
+                if ov is None:
+                    continue
+                readers.entry(shard["file"], slot.name, layout.torch_dtype, slot.shape)
+                a, b = ov
+                dst = weights[at + a - rs : at + b - rs]
+                readers[shard["file"]].read_into(slot.name, a - slot.offset, b - slot.offset, dst)
     buffers = {}
     for name, want in t.buffers().items():
         file = meta.buffers[name]
@@ -114,14 +124,16 @@ def _read_share(
                 continue
             if full:
                 host = torch.zeros(layout.numel, dtype=dtype)
-                mine = host[s:e]
+                into = host[s:e]
             else:
-                host = mine = torch.zeros(e - s, dtype=dtype)
+                host = into = torch.zeros(numel, dtype=dtype)
             for file, fs, fe in meta.optim.files:
-                ov = overlap((fs, fe), (s, e))
-                if ov is not None:
-                    a, b = ov
-                    readers[file].read_into(key, a - fs, b - fs, mine[a - s : b - s])
+                for rs, re, at in mine:
+                    ov = overlap((fs, fe), (rs, re))
+                    if ov is not None:
+                        a, b = ov
+                        dst = into[at + a - rs : at + b - rs]
+                        readers[file].read_into(key, a - fs, b - fs, dst)
             state[key] = host
     return {"range": (s, e), "weights": weights, "buffers": buffers, "optim": state}
 
@@ -149,8 +161,6 @@ def _apply(
     layout = t.fm.layout
     ranges = state_ranges(layout, t.world)
     s, e = share["range"]
-    flat = t.fm.flat_param
-    assert flat is not None
 
     def fill(full: torch.Tensor, mine: torch.Tensor) -> None:
         if mine.data_ptr() != full[s:e].data_ptr():
@@ -160,7 +170,14 @@ def _apply(
                 if b > a:
                     dist.broadcast(full[a:b], t.global_rank(q), group=t.group)
 
-    fill(flat, share["weights"])
+    if t.stripes is not None:
+        # the stripes, in the shard's dtype: a bf16 buffer's fp32 master is the bf16 weights
+        # until a saved master, if any, overrides it below (as the sharded mode's refresh)
+        t.stripes.shard.copy_(share["weights"])
+    else:
+        flat = t.fm.flat_param
+        assert flat is not None
+        fill(flat, share["weights"])
     t.refresh_master()  # a saved master slice, if any, overrides it below
     live = t.buffers()
     for name, value in share["buffers"].items():
@@ -172,9 +189,16 @@ def _apply(
     # Everything was checked and load_state_dict replaces the state: drop the old state
     # now, so that it and the loaded one are never held at once.
     optimizer.state.clear()
-    # The sharded trainer's optimizer holds this rank's range only: no exchange needed.
+    # The sharded trainer's optimizer holds this rank's range only, the fully sharded one's
+    # its stripes (read laid out like its shard): no exchange needed.
     own = optimizer is t.sharded_optimizer
-    lo = s if own else 0
+
+    def at(a: int) -> int:
+        """Where flat element ``a`` of a segment lies in the loaded state."""
+        if t.stripes is not None:
+            return t.stripes.position(a)
+        return a - s if own else a
+
     flat_state = {}
     for key, host in share["optim"].items():
         if own:
@@ -195,13 +219,13 @@ def _apply(
         keys = set(flat_state) - {MASTER} if rules is None else rules.flat(saved)
         for p in group["params"]:
             seg = segment.get(id(p))  # None: the sharded trainer's empty placeholder
+            if seg is not None:
+                a, b = at(seg.start), at(seg.start) + seg.end - seg.start
             if seg is not None and MASTER in flat_state:
-                p.copy_(flat_state[MASTER][seg.start - lo : seg.end - lo].view(p.shape))
+                p.copy_(flat_state[MASTER][a:b].view(p.shape))
             if seg is not None and stateful[seg.slot] == "1":
                 st: dict[str, Any] = {
-                    k: v[seg.start - lo : seg.end - lo].view(p.shape)
-                    for k, v in flat_state.items()
-                    if k in keys
+                    k: v[a:b].view(p.shape) for k, v in flat_state.items() if k in keys
                 }
                 for key, spec in scalars.items():
                     v = spec["values"][seg.slot]
@@ -269,6 +293,8 @@ def load(
     assert share is not None
     try:
         _apply(meta, t, share, optimizer)
+        if t.stripes is not None:
+            t.stripes.regather()  # units gathered now hold the old weights
     except Exception as e:  # everything was checked: a bug, or a peer lost mid-way
         raise CheckpointError(
             f"{path}: applying the checkpoint failed after every check had passed "

@@ -3,8 +3,9 @@
 The optimizer updates *segments*: ranges ``[start, end)`` of the flat buffer,
 each a whole parameter (an optimizer over ``fm.parameters()``, or the
 replicated trainer's) or the part of one in this rank's slice (the sharded
-trainer's). State shaped like its segment (``exp_avg``...) is saved as flat
-ranges in layout order; the rest (``step``...) as one JSON value per slot.
+trainer's) or in one of its stripes (the fully sharded trainer's). State shaped
+like its segment (``exp_avg``...) is saved as flat ranges in layout order; the
+rest (``step``...) as one JSON value per slot.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ class OptimizerView:
         if own is not None:
             for i, a, b, tensor in own[0]:
                 by_id[id(tensor)] = Segment(i, a, b, tensor)
+        elif t.stripes is not None:
+            raise CheckpointError(
+                "optimizer: expected trainer.optimizer with shard='full' (the module's own "
+                "parameters hold no storage between steps there), got another optimizer; "
+                "build it with trainer.make_optimizer()"
+            )
         else:
             for slot, p in fm.named_flat_views():
                 i = layout.slots.index(slot)

@@ -31,7 +31,7 @@ import shutil
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ from ._format import (
     tmp_dir,
 )
 from ._optim import OptimizerView
-from ._plan import Piece, SharePlan, plan_share
+from ._plan import Piece, SharePlan, plan_share, state_ranges, weight_tiles
 from ._rendezvous import Rendezvous
 from ._safetensors import FileRecord, SafetensorsWriter, write_safetensors
 from ._target import Checkpointable, Target
@@ -447,40 +447,78 @@ def _collect(
     """This rank's share, as ``_plan`` places it, and the copies that stage it into the
     host tensors that ``carve`` hands out (``None``: the files are written straight from
     the live tensors, for a save the caller waits for): the module buffers' copies, then
-    the others. Ranges that are zeros are counts in the share, never copies."""
-    layout, fm = t.fm.layout, t.fm
-    flat = fm.flat_param
-    assert flat is not None
+    the others. Ranges that are zeros are counts in the share, never copies.
+
+    A fully sharded trainer holds no range of the files: its weights and state are
+    assembled from every rank's stripes here, by collectives, into host tensors
+    (``carve``'s, or new ones); only the module buffers are left to copy."""
+    layout, fm, stripes = t.fm.layout, t.fm, t.stripes
     view = OptimizerView.of(optimizer, t) if optimizer is not None else None
     scalars = view.agree(t) if view is not None else ({}, "")  # a collective when sharded
     segments = None
     if view is not None and view.flat_keys:
         segments = [(seg.start, seg.end) for seg in view.segments]
-    share = _Share(step_dir(root, step), step, plan_share(layout, t.world, t.rank, segments))
+    if stripes is None:
+        plan = plan_share(layout, t.world, t.rank, segments)
+    else:  # the state range of the files, cut into no pieces: it is assembled whole
+        plan = plan_share(layout, t.world, t.rank)
+        if segments is not None:
+            plan = replace(plan, state_range=state_ranges(layout, t.world)[t.rank])
+    share = _Share(step_dir(root, step), step, plan)
     (lo, hi), (base, end) = share.plan.slots, share.plan.span
     buffers = t.buffers() if t.rank == 0 else {}
     # What is written from live tensors, each in the dtype of its file entry, in staging
     # order: the module buffers first, then this rank's run of weights, then the state.
     sources = [(b.detach(), b.dtype) for b in buffers.values()]
-    if hi > lo:
-        sources.append((flat.detach()[base:end], fm.dtype))
+    # Fully sharded: what is assembled instead, after them: the weight tile, the state.
+    assembled: list[tuple[torch.Size, torch.dtype]] = []
     optim: list[tuple[str, torch.dtype, list[torch.Tensor | int]]] = []
-    if segments is not None:
-        assert view is not None
-        for key, dtype in view.flat_keys.items():
-            parts = [(p, _part(view, p, key)) for p in share.plan.pieces]
-            pieces = [p.end - p.start if part is None else part for p, part in parts]
-            optim.append((key, dtype, pieces))
-            sources += [(x, dtype) for x in pieces if isinstance(x, torch.Tensor)]
+    if stripes is not None:
+        tile = weight_tiles(layout, t.world)[t.rank]
+        base = tile[0]
+        assembled.append((torch.Size([tile[1] - tile[0]]), fm.dtype))
+        if segments is not None:
+            assert view is not None
+            s0, e0 = share.plan.state_range
+            assembled += [(torch.Size([e0 - s0]), d) for d in view.flat_keys.values()]
+    else:
+        flat = fm.flat_param
+        assert flat is not None
+        if hi > lo:
+            sources.append((flat.detach()[base:end], fm.dtype))
+        if segments is not None:
+            assert view is not None
+            for key, dtype in view.flat_keys.items():
+                parts = [(p, _part(view, p, key)) for p in share.plan.pieces]
+                pieces = [p.end - p.start if part is None else part for p, part in parts]
+                optim.append((key, dtype, pieces))
+                sources += [(x, dtype) for x in pieces if isinstance(x, torch.Tensor)]
+    specs = [(src.shape, dtype) for src, dtype in sources]
     if carve is not None:
-        hosts = carve([(src.shape, dtype) for src, dtype in sources])
+        hosts = carve(specs + assembled)
         copies = [(host, src) for host, (src, _) in zip(hosts, sources)]
     else:
-        hosts, copies = [src.contiguous() for src, _ in sources], []
+        hosts = [src.contiguous() for src, _ in sources]
+        hosts += [torch.empty(shape, dtype=dtype) for shape, dtype in assembled]
+        copies = []
     staged = iter(hosts)
     buffer_hosts = [next(staged) for _ in buffers]
-    if hi > lo:
+    if stripes is not None:
+        weights = next(staged)
+        stripes.assemble(weight_tiles(layout, t.world), weights, None)
+        if segments is not None:
+            assert view is not None
+            states = {key: next(staged) for key in view.flat_keys}
+            ranges = state_ranges(layout, t.world)
+            for key in sorted(states):  # the same order on every rank
+                parts = [(seg.start, seg.end, view.source(seg, key)) for seg in view.segments]
+                stripes.assemble(ranges, states[key], parts)
+            share.optim = [(key, host.dtype, [host]) for key, host in states.items()]
+        if hi > lo:
+            host = weights
+    elif hi > lo:
         host = next(staged)
+    if hi > lo:
         for s in layout.slots[lo:hi]:
             share.weights.append((s.name, host[s.offset - base : s.end - base].view(s.shape)))
     for (name, b), host in zip(buffers.items(), buffer_hosts):

@@ -1,8 +1,9 @@
 """What a checkpoint save or load acts on, and what a load returns.
 
 The checkpoint layer never imports the trainer class: it reads the
-:class:`TrainState` protocol (which ``DistributedTrainer`` satisfies), here only;
-the other modules reach the trainer through :class:`Target`.
+:class:`TrainState` protocol (which ``DistributedTrainer`` satisfies), here only,
+and a fully sharded trainer's stripes through :class:`~._stripes.Stripes`; the
+other modules reach the trainer through :class:`Target`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .._dist import exchange_bytes
 from .._errors import CheckpointError
 from .._flat.module import FlatParamModule
 from .._parallel.state import TrainState
+from ._stripes import Stripes
 
 __all__ = ["CheckpointInfo", "Checkpointable", "Target"]
 
@@ -59,7 +61,9 @@ class Target:
             raise CheckpointError(
                 f"trainer: expected a DistributedTrainer or a FlatParamModule, got {type(obj).__name__}"
             )
-        if not self.fm.is_bound:
+        # shard="full": no flat buffer; this rank's stripes of it instead
+        self.stripes = Stripes.of(self.trainer)
+        if not self.fm.is_bound and self.stripes is None:
             raise CheckpointError("trainer: the FlatParamModule is not bound to a buffer yet")
         # Keys private to the trainer's group and run attempt, and the ranks' heartbeats.
         self.coord = self.trainer.coordinator if self.trainer is not None else None

@@ -1,0 +1,296 @@
+"""Checkpoints of the fully sharded mode (``shard="full"``): the same files as the other modes,
+written and read stripe by stripe, resumed across modes and world sizes.
+
+A full save at 2 ranks loads replicated at 1, sharded at 3 and full at 3, each bitwise as it
+was saved (weights, optimizer state, Adam's step); full at 2 resumes and continues bitwise as
+the run that never stopped (saved asynchronously while it went on); replicated and sharded
+saves load full at 3; a bf16 buffer's fp32 master round-trips full <-> ``shard=True`` bit for
+bit. A full save's files are byte for byte a sharded save's of the same state, so
+``consolidate`` is untouched. A full load reads its stripes only and broadcasts nothing.
+
+The oracle is the saving run itself, carried with ``torch.save``: its state laid out like the
+flat buffer (:func:`state_of`), the same in every mode and at every world size.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from gpt import GPT, GPTConfig
+from multiprocess import run_distributed
+from sharded_harness import batch, differences, new_trainer, train
+
+from torchshard import DistributedTrainer, FlatParamModule, checkpoint
+
+SAVE_AT, MORE = 3, 2  # steps before the save, and after it
+
+pytestmark = pytest.mark.slow
+
+
+def state_of(trainer: DistributedTrainer) -> dict[str, torch.Tensor]:
+    """Weights, master weights and optimizer state laid out like the flat buffer (zeros in
+    the gaps), in any mode, the same on every rank (a collective).
+
+    ``weights``: every parameter by slot, read inside ``trainer.gathered()`` (the full mode
+    has no flat buffer); ``master``: what a sharded optimizer updates, when that is another
+    dtype than the weights; ``<key>``: each flat optimizer state; ``<key>/slot``: each scalar
+    state by slot (pieces of a slot share it).
+    """
+    fm, opt = trainer.module, trainer.optimizer
+    assert opt is not None
+    layout, n = fm.layout, fm.layout.numel
+    params = dict(fm.module.named_parameters(remove_duplicate=False))
+    out = {"weights": torch.zeros(n, dtype=fm.dtype)}
+    with trainer.gathered():
+        for s in layout.slots:
+            out["weights"][s.offset : s.end] = params[s.name].detach().reshape(-1).cpu()
+    mine = trainer.rank == 0 or bool(trainer.shard)  # replicated: every rank holds it all
+    segments = trainer.optimizer_segments()
+    local: dict[str, tuple[str, bool]] = {}
+    for _, _, _, t in segments:
+        for k, v in opt.state.get(t, {}).items():
+            local.setdefault(k, (str(v.dtype), v.dim() == 0))
+    everyone: list[dict] = [{} for _ in range(trainer.world_size)]
+    dist.all_gather_object(everyone, local, group=trainer.process_group)
+    keys: dict[str, torch.Tensor] = {}
+    for k, (dtype, scalar) in sorted({k: v for d in everyone for k, v in d.items()}.items()):
+        dt = getattr(torch, dtype.removeprefix("torch."))
+        keys[f"{k}/slot" if scalar else k] = torch.zeros(len(layout) if scalar else n, dtype=dt)
+    if trainer.shard and fm.dtype != torch.float32:
+        keys["master"] = torch.zeros(n, dtype=torch.float32)
+    for slot, a, b, t in segments:
+        if not mine:
+            continue
+        if "master" in keys:
+            keys["master"][a:b] = t.detach().reshape(-1)
+        for k, v in opt.state.get(t, {}).items():
+            if v.dim() == 0:
+                keys[f"{k}/slot"][slot] = v
+            else:
+                keys[k][a:b] = v.reshape(-1)
+    for k in sorted(keys):
+        op = dist.ReduceOp.MAX if k.endswith("/slot") else dist.ReduceOp.SUM
+        dist.all_reduce(keys[k], op=op, group=trainer.process_group)  # one rank per element
+        out[k] = keys[k]
+    return out
+
+
+def _as_saved(saved: dict[str, torch.Tensor], trainer: DistributedTrainer) -> dict:
+    """What ``trainer`` holds after loading ``saved``: without a master to restore into, the
+    weights are the saved ones and the moments the weights' dtype (torch's load_state_dict
+    casts them)."""
+    want = {k: v for k, v in saved.items() if not k.startswith("final/")}
+    dtype = trainer.module.dtype
+    takes_master = bool(trainer.shard) and dtype != torch.float32
+    if "master" in want and not takes_master:
+        want.pop("master")
+        want = {k: v if k.endswith("/slot") else v.to(dtype) for k, v in want.items()}
+    return want
+
+
+def _save(root: str, expected: str, shard: bool | str, dtype: str) -> None:
+    """Train SAVE_AT steps, save (asynchronously while the run goes on for MORE steps, the
+    oracle of a resume), and keep the state at the save and at the end in ``expected``."""
+    trainer = new_trainer(shard, getattr(torch, dtype))
+    train(trainer, range(SAVE_AT))
+    future = checkpoint.async_save(
+        root, trainer, step=SAVE_AT, optimizer=trainer.optimizer, extra={"data": [SAVE_AT]}
+    )
+    state = state_of(trainer)
+    train(trainer, range(SAVE_AT, SAVE_AT + MORE))  # the uninterrupted run goes on
+    future.wait()
+    final = state_of(trainer)
+    state["final/weights"] = final["weights"]
+    if "master" in final:
+        state["final/master"] = final["master"]
+    if trainer.rank == 0:
+        torch.save(state, expected)
+    trainer.close()
+
+
+def _load(root: str, expected: str, shard: bool | str, dtype: str, more: bool = False) -> dict:
+    """A fresh trainer of other weights loads the checkpoint: its state against the saved one,
+    the collectives the load issued, the bytes it read; with ``more``, the run continued."""
+    trainer = new_trainer(shard, getattr(torch, dtype), seed=1)
+    with torch.no_grad():  # an evaluation: in full mode the root units stay gathered after it
+        trainer.module(*batch(trainer.rank, 0))
+    calls = {}
+    originals = {}
+    for name in ("broadcast", "all_gather", "all_gather_into_tensor", "all_to_all_single"):
+        originals[name] = fn = getattr(dist, name)
+
+        def counted(*args, _fn=fn, _name=name, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _fn(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    try:
+        info = checkpoint.load(root, trainer, optimizer=trainer.optimizer)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    want = torch.load(expected, weights_only=True)
+    out = {
+        "step": info.step,
+        "extra": info.extra,
+        "calls": calls,
+        "bytes_read": info.bytes_read,
+        "after_load": differences(state_of(trainer), _as_saved(want, trainer)),
+    }
+    if more:
+        train(trainer, range(SAVE_AT, SAVE_AT + MORE))
+        final = state_of(trainer)
+        got = {k: final[k] for k in ("weights", "master") if k in final}
+        out["continued"] = differences(got, {k: want[f"final/{k}"] for k in got})
+    trainer.close()
+    return out
+
+
+def check(results: list[dict], continued: bool = False) -> None:
+    for rank, r in enumerate(results):
+        assert r["step"] == SAVE_AT and r["extra"] == {"data": [SAVE_AT]}, r
+        assert not r["after_load"], f"rank {rank}: differs from the saved state: {r['after_load']}"
+        if continued:
+            assert not r["continued"], f"rank {rank}: the continuation differs: {r['continued']}"
+
+
+@pytest.fixture(scope="module")
+def full_at_2(tmp_path_factory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("full-at-2")
+    root, expected = tmp / "ckpt", tmp / "expected.pt"
+    run_distributed(_save, 2, str(root), str(expected), "full", "float32", timeout=180)
+    return root, expected
+
+
+def test_full_at_2_resumes_full_at_2_bitwise_as_the_uninterrupted_run(full_at_2):
+    root, expected = full_at_2
+    results = run_distributed(
+        _load, 2, str(root), str(expected), "full", "float32", True, timeout=180
+    )
+    check(results, continued=True)
+
+
+@pytest.mark.parametrize("shard, world", [(False, 1), ("full", 1), (True, 3), ("full", 3)])
+def test_full_at_2_loads_in_every_mode_at_other_world_sizes(full_at_2, shard, world):
+    root, expected = full_at_2
+    check(run_distributed(_load, world, str(root), str(expected), shard, "float32", timeout=180))
+
+
+def test_a_full_load_broadcasts_nothing(full_at_2):
+    """The only collectives of a full load: the two all-gathers of the ranks' agreement."""
+    root, expected = full_at_2
+    results = run_distributed(_load, 3, str(root), str(expected), "full", "float32", timeout=180)
+    check(results)
+    for rank, r in enumerate(results):
+        assert r["calls"] == {"all_gather": 2}, (rank, r["calls"])
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_replicated_and_sharded_saves_at_2_load_full_at_3(tmp_path, shard):
+    root, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
+    run_distributed(_save, 2, str(root), str(expected), shard, "float32", timeout=180)
+    check(run_distributed(_load, 3, str(root), str(expected), "full", "float32", timeout=180))
+
+
+def test_full_at_1_saves_and_full_at_2_loads(tmp_path):
+    root, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
+    run_distributed(_save, 1, str(root), str(expected), "full", "float32", timeout=180)
+    check(run_distributed(_load, 2, str(root), str(expected), "full", "float32", timeout=180))
+
+
+def test_bf16_master_round_trips_between_full_and_sharded(tmp_path):
+    """bf16 weights, fp32 master: full@2 -> shard=True@3, and shard=True@2 -> full@3, the
+    master bit for bit (its low 16 bits are not in the bf16 weights); full@2 -> full@2
+    continues bitwise."""
+    for saver, loader, world in (("full", True, 3), (True, "full", 3), ("full", "full", 2)):
+        tmp = tmp_path / f"{saver}-{loader}"
+        root, expected = tmp / "ckpt", tmp / "expected.pt"
+        run_distributed(_save, 2, str(root), str(expected), saver, "bfloat16", timeout=180)
+        want = torch.load(expected, weights_only=True)
+        assert (want["master"] != want["weights"].float()).float().mean() > 0.5  # a real test
+        meta = json.loads((root / f"step-{SAVE_AT:08d}" / "metadata.json").read_text())
+        assert meta["optimizer"]["flat_state"]["master"] == "float32"
+        more = saver == loader
+        results = run_distributed(
+            _load, world, str(root), str(expected), loader, "bfloat16", more, timeout=180
+        )
+        check(results, continued=more)
+
+
+def _full_then_sharded(root_full: str, root_sharded: str) -> None:
+    """Save full at 2; a sharded trainer at 2 loads that and saves the same state again."""
+    trainer = new_trainer("full")
+    train(trainer, range(SAVE_AT))
+    checkpoint.save(root_full, trainer, step=SAVE_AT, optimizer=trainer.optimizer)
+    trainer.close()
+    trainer = new_trainer(True, seed=1)
+    checkpoint.load(root_full, trainer, optimizer=trainer.optimizer)
+    checkpoint.save(root_sharded, trainer, step=SAVE_AT, optimizer=trainer.optimizer)
+    trainer.close()
+
+
+def test_a_full_save_writes_the_files_a_sharded_save_writes(tmp_path):
+    """Byte for byte, metadata and checksums included: consolidate, reshard and transformers
+    see no difference; and consolidate's output is the same file."""
+    full, sharded = tmp_path / "full", tmp_path / "sharded"
+    run_distributed(_full_then_sharded, 2, str(full), str(sharded), timeout=180)
+    a, b = full / f"step-{SAVE_AT:08d}", sharded / f"step-{SAVE_AT:08d}"
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    assert any(n.startswith("optim-") for n in names), names
+    _, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+    assert not mismatch and not errors, (mismatch, errors)
+    checkpoint.consolidate(a, tmp_path / "full.safetensors")
+    checkpoint.consolidate(b, tmp_path / "sharded.safetensors")
+    assert (tmp_path / "full.safetensors").read_bytes() == (
+        tmp_path / "sharded.safetensors"
+    ).read_bytes()
+
+
+# -- what a full load reads: a model large enough that checksum chunks are small beside it --
+BIG = GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=64)
+
+
+def _big(shard: bool | str, seed: int) -> DistributedTrainer:
+    torch.manual_seed(seed)
+    trainer = DistributedTrainer(FlatParamModule(GPT(BIG)), shard=shard, bucket_mb=0.25)
+    trainer.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    return trainer
+
+
+def _big_save(root: str) -> None:
+    trainer = _big("full", 0)
+    g = torch.Generator().manual_seed(trainer.rank)
+    idx = torch.randint(0, BIG.vocab_size, (2, BIG.block_size + 1), generator=g)
+    trainer.zero_grad()
+    trainer.module(idx[:, :-1], idx[:, 1:])[1].backward()
+    trainer.step()
+    checkpoint.save(root, trainer, step=1, optimizer=trainer.optimizer)
+    trainer.close()
+
+
+def _big_load(root: str) -> dict:
+    trainer = _big("full", 1)
+    info = checkpoint.load(root, trainer, optimizer=trainer.optimizer)
+    mode = trainer._mode
+    held = sum(b - a for a, b in mode.stripes())
+    # weights (4 bytes) and two fp32 moments per element this rank holds
+    out = {"bytes_read": info.bytes_read, "stripes_bytes": held * 12}
+    trainer.close()
+    return out
+
+
+def test_a_full_rank_reads_its_stripes_only(tmp_path):
+    root = tmp_path / "ckpt"
+    run_distributed(_big_save, 2, str(root), timeout=180)
+    total = sum(p.stat().st_size for p in (root / "step-00000001").glob("*.safetensors"))
+    results = run_distributed(_big_load, 3, str(root), timeout=180)
+    for rank, r in enumerate(results):
+        assert r["stripes_bytes"] <= r["bytes_read"] <= 1.1 * r["stripes_bytes"], (rank, r)
+        assert r["bytes_read"] < 0.4 * total, (rank, r, total)
+    assert sum(r["bytes_read"] for r in results) < 1.1 * total
