@@ -27,6 +27,7 @@ from ._estimate import (
     parse_override,
 )
 from ._flat.layout import FlatLayout
+from ._parallel.units import resolve_units
 from .checkpoint._inspect import inspect_checkpoint
 from .checkpoint._tools import Progress, consolidate, reshard
 
@@ -87,11 +88,17 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         model = _load_factory(args.model)
     else:
         model = build_hf_model(args.model, overrides)
-    modes = tuple(s for s, on in ((False, args.replicated), (True, args.shard)) if on)
+    chosen = ((False, args.replicated), (True, args.shard), ("full", args.full))
+    modes = tuple(s for s, on in chosen if on) or tuple(s for s, _ in chosen)
+    layout = layout_of(model, DTYPES[args.dtype])
     report = estimate_memory(
-        layout_of(model, DTYPES[args.dtype]),
+        layout,
         world_size=args.world_size,
-        modes=modes or (False, True),
+        modes=modes,
+        # the units DistributedTrainer(shard="full", units="auto") would choose for this model
+        units=resolve_units(model, layout) if "full" in modes else None,
+        prefetch=args.prefetch,
+        reshard_after_forward=args.reshard_after_forward,
         optimizer=args.optimizer,
         device_memory=args.device_memory,
         reserve=args.reserve,
@@ -112,6 +119,16 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
 
 
@@ -302,8 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "estimate",
         help="per-rank memory to train a model (built on meta: no weights, no GPU)",
         description="Print the bytes each rank holds to train MODEL with torchshard's trainer "
-        "(parameters, gradients, optimizer state, fp32 master weights and their gradient), "
-        "replicated and sharded, "
+        "(parameters, gradients, optimizer state, fp32 master weights and their gradient; "
+        "fully sharded, also the unit buffers gathered during a step), replicated, sharded "
+        "and fully sharded, "
         "and with --device-memory the smallest world size that fits. Activations, temporary "
         "buffers, the CUDA context and allocator fragmentation are not counted.",
     )
@@ -329,8 +347,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="FRACTION",
         help="part of --device-memory kept for what is not counted (default: 0)",
     )
-    p.add_argument("--shard", action="store_true", help="sharded mode only")
-    p.add_argument("--replicated", action="store_true", help="replicated mode only")
+    p.add_argument("--replicated", action="store_true", help="the replicated mode")
+    p.add_argument("--shard", action="store_true", help="the sharded mode (shard=True)")
+    p.add_argument("--full", action="store_true", help="the fully sharded mode (shard='full')")
+    p.add_argument(
+        "--prefetch",
+        type=_count,
+        default=1,
+        metavar="K",
+        help="fully sharded: units gathered ahead (default: 1)",
+    )
+    p.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fully sharded: free each unit after its forward (default: yes)",
+    )
     p.add_argument(
         "--set",
         dest="overrides",

@@ -2,8 +2,9 @@
 
 The model is built on the meta device (no storage) from a transformers config or a
 factory; its flat layout goes through :func:`plan_memory`, the rules the trainer allocates
-by. Activations, temporary buffers, the CUDA context and allocator fragmentation are not
-counted.
+by, in each mode: replicated, sharded (``shard=True``) and fully sharded (``shard="full"``,
+whose unit buffers are counted at their peak as ``transient``). Activations, temporary
+buffers, the CUDA context and allocator fragmentation are not counted.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import difflib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,20 @@ from ._errors import TorchShardError
 from ._flat.layout import FlatLayout, dtype_name
 from ._flat.module import FlatParamModule
 from ._log import get_logger
-from ._parallel.memory import OPTIMIZER_STATES, RankMemory, padded_numel, plan_memory
+from ._parallel.memory import (
+    OPTIMIZER_STATES,
+    RankMemory,
+    check_shard,
+    padded_numel,
+    plan_memory,
+    transient_of_sizes,
+)
+from ._parallel.units import Unit, layout_units
 
 __all__ = [
     "DTYPES",
     "MAX_WORLD_SIZE",
+    "MODES",
     "NOT_COUNTED",
     "OPTIMIZERS",
     "EstimateError",
@@ -46,6 +56,8 @@ __all__ = [
 logger = get_logger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MODES: dict[bool | str, str] = {False: "replicated", True: "sharded", "full": "full"}
+"""The trainer's ``shard=`` values and the estimate's name for each."""
 MAX_WORLD_SIZE = 65536
 OPTIMIZERS = tuple(OPTIMIZER_STATES)
 NOT_COUNTED = (
@@ -211,16 +223,16 @@ def layout_of(model: nn.Module, dtype: torch.dtype) -> FlatLayout:
 # -- the estimate -------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class ModeEstimate:
-    """One mode (replicated or sharded) at the requested world size."""
+    """One mode (replicated, sharded or fully sharded) at the requested world size."""
 
-    shard: bool
+    shard: bool | str  # the trainer's shard=: False, True or "full"
     worst: RankMemory  # the rank that holds the most (ranks differ only slightly)
     spread: int  # bytes between the worst and the best rank's totals
     min_world_size: int | None  # smallest world size that fits the budget; None: none does
 
     @property
     def name(self) -> str:
-        return "sharded" if self.shard else "replicated"
+        return MODES[self.shard]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -247,6 +259,9 @@ class MemoryEstimate:
     modes: tuple[ModeEstimate, ...]
     device_memory: int | None
     reserve: float  # fraction of device_memory kept for what is not counted
+    units: tuple[Unit, ...] = ()  # the fully sharded mode's units (empty without it)
+    prefetch: int = 1
+    reshard_after_forward: bool = True
 
     @property
     def budget(self) -> int | None:
@@ -256,6 +271,16 @@ class MemoryEstimate:
         return int(self.device_memory * (1.0 - self.reserve))
 
     def to_dict(self) -> dict[str, Any]:
+        modes = {m.name: m.to_dict() for m in self.modes}
+        if "full" in modes:
+            gathered = [u.numel for u in self.units if not u.kept]
+            modes["full"].update(
+                units=len(self.units),
+                kept_units=len(self.units) - len(gathered),
+                largest_unit=max(gathered, default=0),
+                prefetch=self.prefetch,
+                reshard_after_forward=self.reshard_after_forward,
+            )
         return {
             "model": self.model,
             "model_class": self.model_class,
@@ -269,7 +294,7 @@ class MemoryEstimate:
             "device_memory": self.device_memory,
             "reserve": self.reserve,
             "budget": self.budget,
-            **{m.name: m.to_dict() for m in self.modes},
+            **modes,
             "not_counted": list(NOT_COUNTED),
         }
 
@@ -279,21 +304,39 @@ def _worst(plan: list[RankMemory]) -> RankMemory:
 
 
 def _min_world_size(
-    layout: FlatLayout, *, shard: bool, optimizer: str, budget: int, max_world_size: int
+    layout: FlatLayout,
+    *,
+    shard: bool | str,
+    optimizer: str,
+    budget: int,
+    max_world_size: int,
+    units: Sequence[Unit] = (),
+    prefetch: int = 1,
+    reshard_after_forward: bool = True,
 ) -> int | None:
     """The smallest world size in [1, max_world_size] whose worst rank fits ``budget``.
 
-    Not a binary search: every rank holds the full padded parameter and gradient buffers,
-    whose padding grows with the world size, so the total is not monotone. Each world size
-    is first bracketed in O(1) (the average rank below, a full slice of state plus a scalar
-    for every parameter above); only ambiguous ones are planned exactly.
+    Not a binary search: the padding (of the full buffers every rank holds when sharded,
+    of each unit when fully sharded) grows with the world size, so the total is not
+    monotone. Each world size is first bracketed in O(units) (the average rank's state
+    below, a full slice or stripes of state plus a scalar for every parameter above);
+    only ambiguous ones are planned exactly.
     """
 
     def fits(n: int) -> bool:
-        plan = plan_memory(layout, n, shard=shard, optimizer=optimizer, master_dtype=_MASTER_DTYPE)
+        plan = plan_memory(
+            layout,
+            n,
+            shard=shard,
+            optimizer=optimizer,
+            master_dtype=_MASTER_DTYPE,
+            units=units,
+            prefetch=prefetch,
+            reshard_after_forward=reshard_after_forward,
+        )
         return _worst(plan).total <= budget
 
-    if not shard:  # nothing depends on the world size
+    if shard is False:  # nothing depends on the world size
         return 1 if fits(1) else None
     per_element, scalars = OPTIMIZER_STATES[optimizer]
     dtype = layout.torch_dtype
@@ -301,10 +344,25 @@ def _min_world_size(
     state_item = _MASTER_DTYPE.itemsize if master else dtype.itemsize
     trainable = [s.numel for s in layout if s.requires_grad]
     state_total = per_element * state_item * sum(trainable)
+    sizes = [(u.numel, u.kept) for u in units]
+    if shard == "full":
+        floor = transient_of_sizes(sizes, dtype.itemsize, prefetch, reshard_after_forward)
+        if floor > budget:  # the unpadded unit buffers alone: no world size can fit
+            return None
     for n in range(1, max_world_size + 1):
-        padded = padded_numel(layout, n, shard=True)
-        size = padded // n
-        fixed = 2 * padded * dtype.itemsize + (2 * size * _MASTER_DTYPE.itemsize if master else 0)
+        if shard == "full":
+            # each unit padded to n * align elements (unit_geometry's total), in O(units)
+            step = n * layout.align
+            padded = [(-(-m // step) * step, kept) for m, kept in sizes]
+            size = sum(p for p, _ in padded) // n  # the rank's stripes
+            fixed = 2 * size * state_item + transient_of_sizes(
+                padded, dtype.itemsize, prefetch, reshard_after_forward
+            )
+        else:
+            padded_all = padded_numel(layout, n, shard=True)
+            size = padded_all // n
+            fixed = 2 * padded_all * dtype.itemsize
+            fixed += 2 * size * _MASTER_DTYPE.itemsize if master else 0
         if fixed + -(-state_total // n) > budget:
             continue
         if fixed + per_element * state_item * size + scalars * 4 * len(trainable) <= budget:
@@ -318,17 +376,24 @@ def estimate_memory(
     layout: FlatLayout,
     *,
     world_size: int,
-    modes: tuple[bool, ...] = (False, True),
+    modes: tuple[bool | str, ...] = (False, True, "full"),
     optimizer: str = "adamw",
     device_memory: int | None = None,
     reserve: float = 0.0,
     model: str = "",
     model_class: str = "",
     max_world_size: int = MAX_WORLD_SIZE,
+    units: Sequence[Unit] | None = None,
+    prefetch: int = 1,
+    reshard_after_forward: bool = True,
 ) -> MemoryEstimate:
-    """Per-rank bytes for training ``layout`` at ``world_size``: replicated and/or sharded
-    (``modes``: the ``shard`` values), with fp32 master weights when sharded in a lower
-    precision; with ``device_memory``, the smallest world size at which each mode fits.
+    """Per-rank bytes for training ``layout`` at ``world_size`` in each of ``modes`` (the
+    trainer's ``shard`` values: ``False`` replicated, ``True`` sharded, ``"full"`` fully
+    sharded), with fp32 master weights when sharded in a lower precision; with
+    ``device_memory``, the smallest world size at which each mode fits.
+
+    ``units``, ``prefetch`` and ``reshard_after_forward`` are the fully sharded trainer's
+    (``units=None``: those of ``units="auto"``, found from the slot names).
 
     Example::
 
@@ -336,7 +401,8 @@ def estimate_memory(
             model = make_model()
         est = estimate_memory(layout_of(model, torch.bfloat16), world_size=8,
                               device_memory=80 * 2**30)
-        est.modes[1].worst.total, est.modes[1].min_world_size
+        full = est.modes[2]  # replicated, sharded, full
+        full.worst.total, full.worst.transient, full.min_world_size
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise EstimateError(f"world size: expected a positive integer, got {world_size!r}")
@@ -344,17 +410,28 @@ def estimate_memory(
         raise EstimateError(
             f"optimizer: expected one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}"
         )
-    if not modes or any(not isinstance(m, bool) for m in modes):
-        raise EstimateError(f"modes: expected shard flags such as (False, True), got {modes!r}")
+    if not modes or any(not _is_mode(m) for m in modes):
+        raise EstimateError(
+            f"modes: expected shard values among False, True and 'full', got {modes!r}"
+        )
     if not 0.0 <= reserve < 1.0:
         raise EstimateError(f"reserve: expected a fraction in [0, 1), got {reserve!r}")
     if device_memory is not None and device_memory <= 0:
         raise EstimateError(f"device memory: expected a positive size, got {device_memory!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise EstimateError(f"prefetch: expected an integer >= 0, got {prefetch!r}")
+    if reshard_after_forward not in (True, False):
+        raise EstimateError(
+            f"reshard_after_forward: expected True or False, got {reshard_after_forward!r}"
+        )
+    full = "full" in modes
+    chosen = tuple(layout_units(layout) if units is None else units) if full else ()
     budget = None if device_memory is None else int(device_memory * (1.0 - reserve))
+    how = {"units": chosen, "prefetch": prefetch, "reshard_after_forward": reshard_after_forward}
     out = []
     for shard in dict.fromkeys(modes):
         plan = plan_memory(
-            layout, world_size, shard=shard, optimizer=optimizer, master_dtype=_MASTER_DTYPE
+            layout, world_size, shard=shard, optimizer=optimizer, master_dtype=_MASTER_DTYPE, **how
         )
         worst = _worst(plan)
         least = min(r.total for r in plan)
@@ -366,6 +443,7 @@ def estimate_memory(
                 optimizer=optimizer,
                 budget=budget,
                 max_world_size=max_world_size,
+                **how,
             )
         out.append(
             ModeEstimate(shard=shard, worst=worst, spread=worst.total - least, min_world_size=fit)
@@ -382,7 +460,18 @@ def estimate_memory(
         modes=tuple(out),
         device_memory=device_memory,
         reserve=reserve,
+        units=chosen,
+        prefetch=prefetch,
+        reshard_after_forward=reshard_after_forward,
     )
+
+
+def _is_mode(m: object) -> bool:
+    try:
+        check_shard(m)
+    except TorchShardError:
+        return False
+    return True
 
 
 _OPTIMIZER_NAMES = {
@@ -393,26 +482,61 @@ _OPTIMIZER_NAMES = {
 }
 
 
+def _precision(r: MemoryEstimate, short: str) -> str:
+    """Where each mode keeps what the optimizer updates, when the model is not fp32."""
+    if r.dtype == torch.float32:
+        return ""
+    state = OPTIMIZER_STATES[r.optimizer][0] > 0
+    replicated = any(m.shard is False for m in r.modes)
+    parts = [f"replicated: state in {short}"] if state and replicated else []
+    sharded = [m.name for m in r.modes if m.shard is not False]
+    if sharded:
+        parts.append(f"{' and '.join(sharded)}: fp32 master{' and state' if state else ''}")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _unit_lines(r: MemoryEstimate, short: str) -> list[str]:
+    """What the fully sharded mode gathers, and what its ``transient`` row counts."""
+    gathered = [u for u in r.units if not u.kept]
+    kept = [u for u in r.units if u.kept]
+    parts = []
+    if gathered:
+        span = gathered[0].name
+        if len(gathered) > 1:
+            span += f" .. {gathered[-1].name}"
+        largest = max(u.numel for u in gathered)
+        parts.append(f"{len(gathered)} gathered in turn ({span}, up to {largest:,} elements)")
+    if kept:
+        numel = sum(u.numel for u in kept)
+        parts.append(f"{len(kept)} kept for the step ({numel:,} elements)")
+    if r.reshard_after_forward:
+        what = f"the running unit, {r.prefetch} prefetched, 2 unit gradients"
+    else:
+        what = "every unit from its forward to its backward, 2 unit gradients"
+    return [
+        f"units        full: {', '.join(parts)}",
+        f"transient    full: {what}, the kept units and their gradients ({short})",
+    ]
+
+
 def format_estimate(r: MemoryEstimate) -> str:
     """The table ``torchshard estimate`` prints: per-rank bytes by mode, and what fits."""
     lines: list[str] = []
     short = {v: k for k, v in DTYPES.items()}[r.dtype]
     big = max(m.worst.total for m in r.modes) >= 2**30
     unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
-    sharded = next((m for m in r.modes if m.shard), None)
+    full = any(m.shard == "full" for m in r.modes)
     lines.append(f"model        {r.model} ({r.model_class})")
     lines.append(
         f"parameters   {r.parameters:,} in {r.tensors} tensors; flat buffer {r.numel:,} "
         f"elements of {dtype_name(r.dtype)}"
     )
-    where = ""
-    if r.dtype != torch.float32 and r.optimizer != "sgd-nomomentum":
-        where = f" (replicated: state in {short}; sharded: fp32 master slice and state)"
-    elif r.dtype != torch.float32:
-        where = " (sharded: fp32 master slice)"
     lines.append(
-        f"training     {_OPTIMIZER_NAMES[r.optimizer]} at world size {r.world_size}{where}"
+        f"training     {_OPTIMIZER_NAMES[r.optimizer]} at world size {r.world_size}"
+        f"{_precision(r, short)}"
     )
+    if full:
+        lines.extend(_unit_lines(r, short))
     lines.append("")
     rows = [
         (f"parameters ({short})", "parameters"),
@@ -420,40 +544,54 @@ def format_estimate(r: MemoryEstimate) -> str:
         ("optimizer state", "optimizer"),
         ("fp32 master + grad", "master"),
     ]
+    if full:
+        rows.append((f"transient ({short})", "transient"))
     lines.append(f"{'per rank, ' + unit:<18}" + "".join(f"{m.name:>12}" for m in r.modes))
     for label, key in rows:
         values = [m.worst.as_dict()[key] / scale for m in r.modes]
         lines.append(f"{label:<18}" + "".join(f"{v:>12,.2f}" for v in values))
     lines.append(f"{'total':<18}" + "".join(f"{m.worst.total / scale:>12,.2f}" for m in r.modes))
     lines.append("")
-    if sharded is not None and r.world_size > 1 and sharded.spread:
-        lines.append(
-            f"sharded: the worst rank (rank {sharded.worst.rank}); the others hold at most "
-            f"{sharded.spread:,} bytes less"
-        )
-    elif sharded is not None and r.world_size > 1:
-        lines.append("sharded: every rank holds the same")
+    for m in r.modes:
+        if m.shard is False or r.world_size == 1:
+            continue
+        if m.spread:
+            lines.append(
+                f"{m.name}: the worst rank (rank {m.worst.rank}); the others hold at most "
+                f"{m.spread:,} bytes less"
+            )
+        else:
+            lines.append(f"{m.name}: every rank holds the same")
     if r.budget is not None and r.device_memory is not None:
         size = f"{r.device_memory / scale:,.2f} {unit} ({r.device_memory:,} bytes)"
         if r.reserve:
             size += f", {r.reserve:.0%} reserved: {r.budget / scale:,.2f} {unit} for the above"
         lines.append(f"device       {size}")
-        floor = 2 * r.numel * r.dtype.itemsize  # full parameters and gradients, on every rank
-        for m in r.modes:
-            now = "fits" if m.worst.total <= r.budget else "does not fit"
-            if m.min_world_size is not None and not m.shard:
-                fit = "fits at any world size (nothing is divided among ranks)"
-            elif m.min_world_size is not None:
-                fit = f"the smallest world size that fits is {m.min_world_size}"
-            elif not m.shard:
-                fit = "no world size fits (nothing is divided among ranks)"
-            elif floor > r.budget:
-                fit = (
-                    f"no world size fits: the full parameters and gradients, which every rank "
-                    f"holds, take {floor / 2**30:,.2f} GiB"
-                )
-            else:
-                fit = f"no world size up to {MAX_WORLD_SIZE:,} fits"
-            lines.append(f"  {m.name + ':':<11} {now} at world size {r.world_size}; {fit}")
+        lines.extend(f"  {m.name + ':':<11} {_fit(r, m, r.budget)}" for m in r.modes)
     lines.append(f"not counted: {', '.join(NOT_COUNTED)}; leave headroom for them (--reserve)")
     return "\n".join(lines)
+
+
+def _fit(r: MemoryEstimate, m: ModeEstimate, budget: int) -> str:
+    """Whether mode ``m`` fits ``budget`` now, and at which world size it first does."""
+    now = f"{'fits' if m.worst.total <= budget else 'does not fit'} at world size {r.world_size}"
+    if m.shard is False:
+        if m.min_world_size is not None:
+            return f"{now}; fits at any world size (nothing is divided among ranks)"
+        return f"{now}; no world size fits (nothing is divided among ranks)"
+    if m.min_world_size is not None:
+        return f"{now}; the smallest world size that fits is {m.min_world_size}"
+    if m.shard is True:
+        floor = 2 * r.numel * r.dtype.itemsize  # full parameters and gradients, on every rank
+        if floor > budget:
+            return (
+                f"{now}; no world size fits: the full parameters and gradients, which every "
+                f"rank holds, take {floor / 2**30:,.2f} GiB"
+            )
+    else:
+        sizes = [(u.numel, u.kept) for u in r.units]  # unpadded: a floor at any world size
+        floor = transient_of_sizes(sizes, r.dtype.itemsize, r.prefetch, r.reshard_after_forward)
+        if floor > budget:
+            alone = f"the unit buffers alone take {floor / 2**30:,.2f} GiB"
+            return f"{now}; no world size fits: {alone}"
+    return f"{now}; no world size up to {MAX_WORLD_SIZE:,} fits"
