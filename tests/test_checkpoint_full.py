@@ -294,3 +294,27 @@ def test_a_full_rank_reads_its_stripes_only(tmp_path):
         assert r["stripes_bytes"] <= r["bytes_read"] <= 1.1 * r["stripes_bytes"], (rank, r)
         assert r["bytes_read"] < 0.4 * total, (rank, r, total)
     assert sum(r["bytes_read"] for r in results) < 1.1 * total
+
+
+def _errors(root: str) -> list[str]:
+    trainer = new_trainer("full")
+    messages = []
+    other = torch.optim.SGD(trainer.module.parameters(), lr=0.1)
+    for call in (
+        lambda: checkpoint.save(root, trainer.module, step=1),
+        lambda: checkpoint.save(root, trainer, step=1, optimizer=other),
+    ):
+        try:
+            call()
+        except checkpoint.CheckpointError as e:
+            messages.append(str(e))
+    trainer.close()
+    return messages
+
+
+def test_a_full_trainer_is_saved_through_the_trainer_and_its_own_optimizer(tmp_path):
+    messages = run_distributed(_errors, 2, str(tmp_path / "ckpt"), timeout=120)[0]
+    assert len(messages) == 2, messages
+    assert "pass the DistributedTrainer" in messages[0], messages[0]
+    assert "make_optimizer" in messages[1], messages[1]
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())

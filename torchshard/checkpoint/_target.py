@@ -64,14 +64,18 @@ class Target:
         # shard="full": no flat buffer; this rank's stripes of it instead
         self.stripes = Stripes.of(self.trainer)
         if not self.fm.is_bound and self.stripes is None:
-            raise CheckpointError("trainer: the FlatParamModule is not bound to a buffer yet")
+            raise CheckpointError(
+                "trainer: the FlatParamModule is not bound to a buffer yet (or a fully "
+                "sharded trainer holds it: pass the DistributedTrainer instead)"
+            )
         # Keys private to the trainer's group and run attempt, and the ranks' heartbeats.
         self.coord = self.trainer.coordinator if self.trainer is not None else None
         self.store = self.coord.store if self.coord is not None else None
 
     @property
     def sharded_optimizer(self) -> torch.optim.Optimizer | None:
-        """The sharded trainer's optimizer (its state lives in this rank's slice only)."""
+        """The sharded trainer's optimizer (its state lives in this rank's slice only, or
+        with ``shard="full"`` in its stripes)."""
         if self.trainer is not None and self.trainer.shard:
             return self.trainer.optimizer
         return None
