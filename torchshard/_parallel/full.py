@@ -16,9 +16,10 @@ them (``untyped_storage().resize_(0)``), and a gather refills the same storage.
 Order: every rank issues the same collectives in the same order by construction.
 Gathers run on a group of their own in the order the forward and backward hooks
 fire (the same on every rank: the same model runs); reduce-scatters on another,
-strictly in reverse unit order (a unit whose backward finished waits for the
-units after it); the step's own collectives (the used-parameter mask, the norm)
-on the trainer's group. :meth:`FullyShard.order_digest` lets a test or a debug
+in a fixed order: the units freed after their backward in reverse unit order (a
+unit whose backward finished waits for the units after it), then the kept units
+when backward ends; the step's own collectives (the used-parameter mask, the
+norm) on the trainer's group. :meth:`FullyShard.order_digest` lets a test or a debug
 run compare the sequences across ranks.
 """
 
@@ -37,7 +38,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._errors import TorchShardError
-from .._flat.geometry import Geometry
 from .._flat.hf import clear_init_flags
 from .._flat.module import FlatParamModule, _init_own_way
 from .._flat.views import Owners
@@ -183,7 +183,9 @@ class FullyShard(Mode):
         if self.world == 1:
             self.gather_group = self.rs_group = group
             return
-        ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(self.world)]
+        ranks = [
+            dist.get_global_rank(group, r) if group is not None else r for r in range(self.world)
+        ]
         backend = dist.get_backend(group)
         self.gather_group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
         self.rs_group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
@@ -330,7 +332,12 @@ class FullyShard(Mode):
         self.trainable = [0] * len(self.units)
         for i in ctx.trainable:
             self.trainable[self.unit_of[i]] += 1
-        self.rs_units = [u.index for u in self.units if self.trainable[u.index]]
+        # Reduce-scatter order, the same on every rank: the units that are freed after their
+        # backward, last first, as their backward ends; then the kept ones (root units, ties:
+        # their gradients can arrive until backward ends), at its end.
+        mine = [u.index for u in reversed(self.units) if self.trainable[u.index]]
+        self.rs_units = [u for u in mine if not self.units[u].kept]
+        self.rs_units += [u for u in mine if self.units[u].kept]
         self.stats.buckets = len(self.rs_units)
         self._mask = torch.zeros(len(ctx.trainable), dtype=torch.int32, device=ctx.device)
         self.sync = True
@@ -357,7 +364,7 @@ class FullyShard(Mode):
         self.calls = [0] * n
         self.backs = [0] * n
         self.reduced = [False] * n
-        self.next_rs = len(self.rs_units) - 1
+        self.next_rs = 0
         self._queued = False
         self._in_backward_count = 0
 
@@ -410,7 +417,11 @@ class FullyShard(Mode):
             if self._pinned or _in_backward():
                 return
             if torch.is_grad_enabled():
-                ts = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                ts = [
+                    t
+                    for t in tree_flatten(output)[0]
+                    if isinstance(t, torch.Tensor) and t.requires_grad
+                ]
                 if ts:
                     torch.autograd.graph.register_multi_grad_hook(
                         ts, lambda _g: self._pre_backward(u), mode="any"
@@ -467,7 +478,7 @@ class FullyShard(Mode):
         if not self._used[i]:
             self._used[i] = True
         self.pending[u] -= 1
-        if self.pending[u] == 0:
+        if self.pending[u] == 0 and not self.units[u].kept:
             self.eligible[u] = True
             self._launch_ready()
 
@@ -489,9 +500,9 @@ class FullyShard(Mode):
 
     # -- reduce-scatter ---------------------------------------------------------------------------
     def _launch_ready(self) -> None:
-        while self.next_rs >= 0 and self.eligible[self.rs_units[self.next_rs]]:
+        while self.next_rs < len(self.rs_units) and self.eligible[self.rs_units[self.next_rs]]:
             self._reduce_scatter(self.rs_units[self.next_rs])
-            self.next_rs -= 1
+            self.next_rs += 1
 
     @torch.no_grad()
     def _reduce_scatter(self, u: int) -> None:
@@ -516,8 +527,11 @@ class FullyShard(Mode):
                 out = gu[a : a + n]
                 works = [
                     dist.reduce(
-                        gu[q * n : (q + 1) * n], self.global_ranks[q], op=op,
-                        group=self.rs_group, async_op=True,
+                        gu[q * n : (q + 1) * n],
+                        self.global_ranks[q],
+                        op=op,
+                        group=self.rs_group,
+                        async_op=True,
                     )
                     for q in range(self.world)
                 ]
@@ -632,7 +646,12 @@ class FullyShard(Mode):
         self._used = [False] * len(self.fm.layout)
 
     def fingerprint(self) -> str:
-        return "F" + hashlib.sha256(repr([(u.lo, u.hi, u.kept) for u in self.units]).encode()).hexdigest()[:8]
+        return (
+            "F"
+            + hashlib.sha256(repr([(u.lo, u.hi, u.kept) for u in self.units]).encode()).hexdigest()[
+                :8
+            ]
+        )
 
     def master_bytes(self) -> int:
         if self.shard_dtype == self.dtype:

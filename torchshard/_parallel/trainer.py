@@ -561,6 +561,11 @@ def _pick_mode(
     defaults = {"units": "auto", "prefetch": 1, "reshard_after_forward": True}
     given = {"units": units, "prefetch": prefetch, "reshard_after_forward": reshard_after_forward}
     for name, value in given.items():
-        if not (value is defaults[name] or (type(value) is type(defaults[name]) and value == defaults[name])):
-            raise TorchShardError(f"{name}: only with shard='full', got {value!r} with shard={shard!r}")
+        if not (
+            value is defaults[name]
+            or (type(value) is type(defaults[name]) and value == defaults[name])
+        ):
+            raise TorchShardError(
+                f"{name}: only with shard='full', got {value!r} with shard={shard!r}"
+            )
     return ShardedOptimizer(master_dtype) if shard else Replicated()

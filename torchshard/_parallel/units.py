@@ -16,7 +16,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 from torch import nn
 
@@ -26,7 +25,7 @@ from .._flat.layout import FlatLayout
 
 __all__ = ["Unit", "UnitSpec", "layout_units", "resolve_units", "unit_geometry"]
 
-UnitSpec = Union[str, Sequence[Union[str, type]], Callable[[str, nn.Module], bool]]
+UnitSpec = str | Sequence[str | type] | Callable[[str, nn.Module], bool]
 """``"auto"``, a list of module names or classes, or ``(name, module) -> bool``."""
 
 
