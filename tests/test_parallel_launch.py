@@ -192,3 +192,31 @@ def test_a_second_run_refuses_to_delete_the_first_runs_checkpoints(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002"]
+
+
+@pytest.mark.slow
+def test_example_fully_sharded_in_bf16_resumes_sharded_at_another_world_size(tmp_path):
+    ckpt = ["--ckpt-dir", str(tmp_path), "--save-every", "10"]
+    full = ["--shard", "full", "--bf16"]
+    first = torchrun("--standalone", "--nproc-per-node", "2", EXAMPLE, *SMALL, *ckpt, *full)
+    out = subprocess.run(first, capture_output=True, text=True, timeout=240, env=clean_env())
+    check_run(out, world=2)
+    assert "fully sharded" in out.stdout + out.stderr
+    longer = small(steps=40, log_every=5)
+    again = torchrun(
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        EXAMPLE,
+        *longer,
+        *ckpt,
+        "--resume",
+        "--shard",
+        "--bf16",
+    )
+    out = subprocess.run(again, capture_output=True, text=True, timeout=240, env=clean_env())
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "step-00000030 (saved at world size 2" in text, text
+    steps = [int(line.split()[1]) for line in text.splitlines() if line.startswith("step ")]
+    assert steps == [35, 40], text
