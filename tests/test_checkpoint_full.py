@@ -113,12 +113,22 @@ def _save(root: str, expected: str, shard: bool | str, dtype: str) -> None:
     trainer.close()
 
 
-def _load(root: str, expected: str, shard: bool | str, dtype: str, more: bool = False) -> dict:
+def _load(
+    root: str,
+    expected: str,
+    shard: bool | str,
+    dtype: str,
+    more: bool = False,
+    evaluate: bool = True,
+) -> dict:
     """A fresh trainer of other weights loads the checkpoint: its state against the saved one,
-    the collectives the load issued, the bytes it read; with ``more``, the run continued."""
+    the collectives the load issued, the bytes it read; with ``more``, the run continued.
+    With ``evaluate``, a forward without grad first: in full mode the root units stay
+    gathered after it, so the load must gather them again from the loaded stripes."""
     trainer = new_trainer(shard, getattr(torch, dtype), seed=1)
-    with torch.no_grad():  # an evaluation: in full mode the root units stay gathered after it
-        trainer.module(*batch(trainer.rank, 0))
+    if evaluate:
+        with torch.no_grad():
+            trainer.module(*batch(trainer.rank, 0))
     calls = {}
     originals = {}
     for name in ("broadcast", "all_gather", "all_gather_into_tensor", "all_to_all_single"):
@@ -182,9 +192,11 @@ def test_full_at_2_loads_in_every_mode_at_other_world_sizes(full_at_2, shard, wo
 
 
 def test_a_full_load_broadcasts_nothing(full_at_2):
-    """The only collectives of a full load: the two all-gathers of the ranks' agreement."""
+    """The only collectives of a full load between steps (no unit gathered): the two
+    all-gathers of the ranks' agreement."""
     root, expected = full_at_2
-    results = run_distributed(_load, 3, str(root), str(expected), "full", "float32", timeout=180)
+    args = (str(root), str(expected), "full", "float32", False, False)
+    results = run_distributed(_load, 3, *args, timeout=180)
     check(results)
     for rank, r in enumerate(results):
         assert r["calls"] == {"all_gather": 2}, (rank, r["calls"])
