@@ -81,7 +81,7 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx[:, :-1], idx[:, 1:]
 
 
-def _count_host_reads(shard: bool, dtype: str, unused: bool) -> dict[str, int]:
+def _count_host_reads(shard: bool | str, dtype: str, unused: bool) -> dict[str, int]:
     rank = dist.get_rank()
     torch.manual_seed(0)
     fm = FlatParamModule(WithSpare(), dtype=getattr(torch, dtype))
@@ -105,14 +105,14 @@ def _count_host_reads(shard: bool, dtype: str, unused: bool) -> dict[str, int]:
     return dict(total)
 
 
-@pytest.mark.parametrize("shard", [False, True])
+@pytest.mark.parametrize("shard", [False, True, "full"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_no_host_reads_in_a_step_with_every_parameter_used(shard, dtype):
     reads = run_distributed(_count_host_reads, 2, shard, dtype, False, timeout=120)
     assert reads == [{}, {}]
 
 
-@pytest.mark.parametrize("shard", [False, True])
+@pytest.mark.parametrize("shard", [False, True, "full"])
 def test_the_counter_sees_the_read_an_unused_parameter_needs(shard):
     # The rank without the spare head's gradient must learn whether another rank has one:
     # it builds the mask from a Python list and reads the reduced mask back. The rank that
@@ -175,7 +175,7 @@ def _emulate_avg(avg_calls: list[int]) -> None:
     dist.all_reduce, dist.reduce = avg_all_reduce, avg_reduce
 
 
-def _native_mean_matches_ddp(shard: bool) -> int:
+def _native_mean_matches_ddp(shard: bool | str) -> int:
     from torchshard._parallel import trainer as trainer_module
 
     rank = dist.get_rank()
@@ -196,13 +196,14 @@ def _native_mean_matches_ddp(shard: bool) -> int:
             o.zero_grad()
             net(*batch(rank, step), use_spare=use)[1].backward()
             trainer.step() if net is fm else o.step()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert torch.equal(p, q), f"step {step}: {name} differs from DDP"
+        with trainer.gathered():  # fully sharded: the weights exist inside this only
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert torch.equal(p, q), f"step {step}: {name} differs from DDP"
     trainer.close()
     return calls[0]
 
 
-@pytest.mark.parametrize("shard", [False, True])
+@pytest.mark.parametrize("shard", [False, True, "full"])
 def test_a_backend_that_averages_is_used_for_the_mean_and_matches_ddp(shard):
     calls = run_distributed(_native_mean_matches_ddp, 2, shard, timeout=120)
     assert min(calls) > 0  # the AVG path ran (gloo itself would have refused the op)
