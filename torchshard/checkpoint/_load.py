@@ -253,7 +253,8 @@ def load(
 
     ``path_or_root`` is a checkpoint directory or a root (then its latest
     complete checkpoint). Every rank calls it. Each rank reads only its
-    share of the files, verified against their checksums; if any rank fails,
+    share of the files (with ``shard="full"``, its stripes: nothing is
+    broadcast), verified against their checksums; if any rank fails,
     every rank raises :class:`CheckpointError` and nothing has changed. The
     optimizer's hyperparameters are restored as ``optimizer.load_state_dict``
     restores them.

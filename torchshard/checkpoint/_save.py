@@ -673,6 +673,10 @@ def async_save(
     as many bytes as this rank's share, kept until the next larger save needs
     more or the writer closes.
 
+    With ``shard="full"`` no rank holds its share of the files: it is assembled
+    from every rank's stripes inside this call (collectives, unit by unit), so
+    only the writing is left to the background.
+
     Example::
 
         future = torchshard.checkpoint.async_save("ckpt", trainer, step=step, optimizer=opt)
@@ -693,7 +697,8 @@ def save(
     """Save a checkpoint and wait until it is committed; returns its directory.
 
     On CPU the files are written straight from the live tensors: no staging
-    copy, no host memory kept afterwards.
+    copy, no host memory kept afterwards (with ``shard="full"``, from this
+    rank's share, assembled from every rank's stripes and then dropped).
 
     Example::
 
