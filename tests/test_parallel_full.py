@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from torchshard import DistributedTrainer, FlatParamModule, TorchShardError
+from torchshard import DistributedTrainer, FlatParamModule, RankMismatchError, TorchShardError
 from torchshard._flat.layout import FlatLayout
 from torchshard._parallel.units import resolve_units
 
@@ -580,3 +580,16 @@ def _world_of_one() -> None:
 def test_full_in_a_world_of_one_trains_like_plain_pytorch():
 
     run_distributed(_world_of_one, 1, timeout=120)
+
+
+def _different_schedules() -> str:
+    try:
+        DistributedTrainer(FlatParamModule(Model()), shard="full", prefetch=1 + dist.get_rank())
+    except RankMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_with_different_units_or_prefetch_are_refused_before_any_gather():
+    msgs = run_distributed(_different_schedules, 2, timeout=120)
+    assert all("ranks [1] built a different model than rank 0" in m for m in msgs), msgs

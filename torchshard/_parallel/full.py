@@ -111,6 +111,10 @@ class FullyShard(Mode):
         self._filled: set[int] = set()
 
     # -- construction ----------------------------------------------------------------------
+    def prepare(self, fm: FlatParamModule) -> None:
+        """Resolve the units (no tensors, no collective), before the ranks compare models."""
+        self.units = resolve_units(fm.module, fm.layout, self.spec)
+
     def adopt(
         self,
         fm: FlatParamModule,
@@ -126,7 +130,8 @@ class FullyShard(Mode):
         self.fm, self.device, self.group = fm, device, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.dtype = fm.dtype
-        self.units = resolve_units(fm.module, layout, self.spec)
+        if not self.units:
+            self.prepare(fm)
         self.geoms = [unit_geometry(u, self.world, layout.align) for u in self.units]
         self.shard_dtype = self.master_dtype if fm.dtype != self.master_dtype else fm.dtype
         offs, at = [], 0
@@ -426,8 +431,8 @@ class FullyShard(Mode):
                     torch.autograd.graph.register_multi_grad_hook(
                         ts, lambda _g: self._pre_backward(u), mode="any"
                     )
-            if self.reshard_after_forward:
-                self.release(u)
+            if self.reshard_after_forward or not torch.is_grad_enabled():
+                self.release(u)  # (no backward will need it after a forward without grad)
 
         return hook
 
@@ -646,12 +651,9 @@ class FullyShard(Mode):
         self._used = [False] * len(self.fm.layout)
 
     def fingerprint(self) -> str:
-        return (
-            "F"
-            + hashlib.sha256(repr([(u.lo, u.hi, u.kept) for u in self.units]).encode()).hexdigest()[
-                :8
-            ]
-        )
+        """Units and schedule: ranks that differ would issue other collectives (and hang)."""
+        plan = [(u.lo, u.hi, u.kept) for u in self.units], self.prefetch, self.reshard_after_forward
+        return "F" + hashlib.sha256(repr(plan).encode()).hexdigest()[:16]
 
     def master_bytes(self) -> int:
         if self.shard_dtype == self.dtype:

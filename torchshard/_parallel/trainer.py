@@ -129,7 +129,9 @@ class DistributedTrainer:
         self.padded_numel = self._geometry.total
         self._closed = False
         if isinstance(self._mode, FullyShard):
-            # the model is checked before the first collective that depends on it
+            # the model (and the units) are checked before the first collective that
+            # depends on them
+            self._mode.prepare(fm)
             token = check_same_model(fm, self._mode, self._group, self.device, src)
             self._params = self._mode.adopt(fm, self.device, self._group, src, init_fn)
             self._flat = None
