@@ -79,7 +79,7 @@ def _mlp(width: int = 64) -> nn.Module:
 
 
 def _trainer(
-    device: torch.device, shard: bool = False, model: nn.Module | None = None, **opt_kw: Any
+    device: torch.device, shard: bool | str = False, model: nn.Module | None = None, **opt_kw: Any
 ) -> tuple[FlatParamModule, DistributedTrainer, torch.optim.Optimizer]:
     torch.manual_seed(0)
     fm = FlatParamModule(model if model is not None else _mlp())
@@ -117,7 +117,7 @@ def test_init_distributed_and_the_trainer_use_the_local_gpu(nprocs):
 
 
 # -- (a) no host sync in a step, nor in the caller's part of an async save -------------------------
-def _step_without_host_sync(shard: bool) -> str:
+def _step_without_host_sync(shard: bool | str) -> str:
     device = _init_nccl()
     fm, trainer, _ = _trainer(device, shard)
     x, y = _data(device)
@@ -133,7 +133,7 @@ def _step_without_host_sync(shard: bool) -> str:
     return "ok"
 
 
-@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize("shard", [False, True, "full"], ids=["replicated", "sharded", "full"])
 @pytest.mark.parametrize("nprocs", [1, 2])
 def test_a_training_step_never_syncs_the_host(nprocs, shard):
     assert run(_step_without_host_sync, nprocs, shard) == ["ok"] * nprocs
@@ -408,7 +408,7 @@ def _integer_mlp() -> nn.Module:
     return model
 
 
-def _against_ddp(shard: bool, exact: bool) -> float:
+def _against_ddp(shard: bool | str, exact: bool) -> float:
     device = _init_nccl()
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -441,19 +441,22 @@ def _against_ddp(shard: bool, exact: bool) -> float:
                 assert torch.equal(p.grad, q.grad), f"gradient of {name} differs from DDP's"
         trainer.step()
         ref_opt.step()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            if exact:
-                assert torch.equal(p, q), f"step {step}: {name} differs from DDP"
-            else:
-                torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=f"step {step}: {name}")
-            worst = max(worst, (p - q).abs().max().item())
+        with trainer.gathered():  # fully sharded: the weights exist inside this only
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                if exact:
+                    assert torch.equal(p, q), f"step {step}: {name} differs from DDP"
+                else:
+                    torch.testing.assert_close(
+                        p, q, rtol=1e-4, atol=1e-5, msg=f"step {step}: {name}"
+                    )
+                worst = max(worst, (p - q).abs().max().item())
     trainer.assert_in_sync()
     trainer.close()
     return worst
 
 
 @pytest.mark.parametrize("exact", [True, False], ids=["integer-mlp-bitwise", "gpt-close"])
-@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize("shard", [False, True, "full"], ids=["replicated", "sharded", "full"])
 def test_a_step_matches_ddp_on_nccl(shard, exact):
     """Bitwise where bitwise is a property of the communication: 2 ranks (a + b is commutative,
     halving is exact), integer-valued model and data (every kernel computes the same exact
