@@ -294,15 +294,29 @@ def run_ranks(
     """``fn(*args)`` on ranks 0..world-1, each a fresh process (spawn) with one torch thread,
     in a gloo group (rendezvous on a TCPStore this process binds to port 0) and torchrun's
     environment variables; their return values, by rank. ``fn`` must be importable (module
-    level). Raises if a rank fails, or kills them all after ``timeout_s``."""
+    level). Raises if a rank fails, or kills them all after ``timeout_s``.
+
+    ``env`` is in each process's environment from its start (set here around the spawn, then
+    restored): glibc reads ``MALLOC_*`` before any Python runs, so setting it in the child
+    would be too late."""
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
+    env = dict(env or {})
+    saved = {k: os.environ.get(k) for k in env}
     with tempfile.TemporaryDirectory(prefix="bench-ranks-") as tmp:
-        ctx = mp.spawn(
-            _rank_main,
-            args=(world, store.port, fn, args, tmp, dict(env or {}), comm_timeout_s),
-            nprocs=world,
-            join=False,
-        )
+        os.environ.update(env)
+        try:
+            ctx = mp.spawn(
+                _rank_main,
+                args=(world, store.port, fn, args, tmp, env, comm_timeout_s),
+                nprocs=world,
+                join=False,
+            )
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         deadline = time.perf_counter() + timeout_s
         while not ctx.join(timeout=1.0):
             if time.perf_counter() > deadline:
