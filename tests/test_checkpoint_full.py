@@ -330,3 +330,34 @@ def test_a_full_trainer_is_saved_through_the_trainer_and_its_own_optimizer(tmp_p
     assert "pass the DistributedTrainer" in messages[0], messages[0]
     assert "make_optimizer" in messages[1], messages[1]
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
+def _in_a_subgroup(root: str) -> list[dict]:
+    """Ranks [1, 2] of 3 train full over a subgroup and save; a fresh full trainer there and a
+    sharded one over all three load it."""
+    group = dist.new_group([1, 2])
+    out = []
+    saved = None
+    if dist.get_rank() in (1, 2):
+        trainer = new_trainer("full", group=group)
+        train(trainer, range(2))
+        saved = state_of(trainer)
+        checkpoint.save(root, trainer, step=2, optimizer=trainer.optimizer)
+        trainer.close()
+        trainer = new_trainer("full", group=group, seed=1)
+        checkpoint.load(root, trainer, optimizer=trainer.optimizer)
+        out.append(state_of(trainer))
+        trainer.close()
+    everyone: list = [None] * 3
+    dist.all_gather_object(everyone, saved)
+    trainer = new_trainer(True, seed=2)
+    checkpoint.load(root, trainer, optimizer=trainer.optimizer)
+    out.append(state_of(trainer))
+    trainer.close()
+    return [differences(got, everyone[1]) for got in out]
+
+
+def test_a_full_trainer_over_a_subgroup_saves_and_loads(tmp_path):
+    results = run_distributed(_in_a_subgroup, 3, str(tmp_path / "ckpt"), timeout=180)
+    assert [len(r) for r in results] == [1, 2, 2]
+    assert all(not d for r in results for d in r), results
