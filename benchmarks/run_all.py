@@ -4,8 +4,8 @@
     python benchmarks/run_all.py --quick    # tiny counts into a scratch folder: a smoke test
     python benchmarks/run_all.py --results DIR [--allow-dirty]
 
-Runs bench_flat.py, bench_trainer.py, bench_sharded.py, bench_checkpoint.py and scale.py one
-after the other (each in its own interpreter, with the step and round counts below, chosen
+Runs bench_flat.py, bench_trainer.py, bench_sharded.py, bench_full.py, bench_checkpoint.py and
+scale.py one after the other (each in its own interpreter, with the step and round counts below, chosen
 so that the whole run fits in 15 minutes on the project's 2-core machine when nothing else
 runs there), writes ``run.json`` (this command, each script's wall time, the machine and
 commit), then ``python benchmarks/summary.py --write README.md benchmarks/README.md`` and
@@ -48,6 +48,11 @@ SCRIPTS = {
         "--steps 3 --warmup 1 --sync-steps 1 --mem-steps 1",
     ),
     "sharded": ("bench_sharded.py", "--steps 30 --warmup 3", "--steps 3 --warmup 1"),
+    "full": (
+        "bench_full.py",
+        "--mem-pairs 2 --mem-steps 2 --reps 20 --warmup 2",
+        "--mem-pairs 1 --mem-steps 1 --reps 2 --warmup 1",
+    ),
     "checkpoint": (
         "bench_checkpoint.py",
         "--size-gb 1.0 --steps 10 --repeats 4 --train-repeats 4 --resume-repeats 4",

@@ -8,8 +8,8 @@
     python benchmarks/summary.py --results DIR ...                      # read DIR/*.json instead
 
 Reads flat.json (bench_flat.py), trainer.json (bench_trainer.py), sharded.json
-(bench_sharded.py), checkpoint.json (bench_checkpoint.py), scale.json (scale.py) and
-run.json (run_all.py: the command, its wall time) and prints one markdown table row per
+(bench_sharded.py), full.json (bench_full.py), checkpoint.json (bench_checkpoint.py),
+scale.json (scale.py) and run.json (run_all.py: the command, its wall time) and prints one markdown table row per
 headline number: what kind of number it is (measured, paired, counted, computed), the
 result, its target and whether the target is met. A missing file makes its rows say
 "not measured yet".
@@ -48,7 +48,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
-FILES = ("flat", "trainer", "sharded", "checkpoint", "scale")
+FILES = ("flat", "trainer", "sharded", "full", "checkpoint", "scale")
 RUN = "run"  # run.json: written by run_all.py
 BEGIN = "<!-- benchmark-table:begin -->"
 END = "<!-- benchmark-table:end -->"
@@ -70,6 +70,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "flat": ("benchmarks/bench_flat.py", "torchshard/_flat", *_COMMON),
     "trainer": ("benchmarks/bench_trainer.py", *_TRAINING, *_COMMON),
     "sharded": ("benchmarks/bench_sharded.py", *_TRAINING, *_COMMON),
+    "full": ("benchmarks/bench_full.py", *_TRAINING, *_COMMON),
     "checkpoint": (
         "benchmarks/bench_checkpoint.py",
         "torchshard/checkpoint",
@@ -163,6 +164,10 @@ def wall_cpu(p: dict[str, list[float]], digits: int = 2) -> str:
     if p.get("cpu"):
         cell += f", CPU {spread_text(p['cpu'], digits)}"
     return cell
+
+
+def plural(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def pairs_of(p: dict[str, list[float]], what: str = "pairs") -> str:
@@ -261,6 +266,116 @@ def sharded_vs(*pairs: tuple[str, str, str]) -> Callable[[Results], Cell]:
             n = len(p["wall"])
             parts.append(f"{label}: {wall_cpu(p)}")
         return "; ".join(parts) + f"; {n} steps", "-"
+
+    return cell
+
+
+BYTES_TOLERANCE = 0.01  # measured bytes per step over the analytic ratio
+# memory_bytes() fields held between steps (the fully sharded mode adds "transient")
+PERSISTENT = ("parameters", "gradients", "optimizer", "master")
+ALLOCATOR_LABELS = {"glibc": "glibc", "mmap_128k": "`MALLOC_MMAP_THRESHOLD_=131072`"}
+
+
+def verdicts(parts: Sequence[tuple[str, Sequence[float], float]]) -> str:
+    """``fp32: met (28 of 30 <= 1.3); bf16: ...``: one verdict per labelled set of ratios."""
+    return "; ".join(f"{label}: {verdict(xs, target)}" for label, xs, target in parts)
+
+
+def full_vs_fsdp2(r: Results) -> Cell:
+    for name in ("ts_full", "fsdp2_zero3"):
+        sharded(r, name)
+    p = paired(r, "sharded", "ts_full.step / fsdp2_zero3.step")
+    return f"{wall_cpu(p)}; {pairs_of(p, 'steps')}", verdict(p["wall"], 1.0)
+
+
+FULL_VS_SHARD = (("fp32", "ts_full", "ts_shard"), ("bf16", "ts_full_bf16", "ts_shard_bf16"))
+
+
+def full_vs_shard(r: Results) -> Cell:
+    parts, checks = [], []
+    for label, full, base in FULL_VS_SHARD:
+        for name in (full, base):
+            sharded(r, name)
+        p = paired(r, "sharded", f"{full}.step / {base}.step")
+        parts.append(f"{label}: {wall_cpu(p)}")
+        checks.append((label, p["wall"], 1.3))
+    return "; ".join(parts) + f"; {len(checks[0][1])} steps", verdicts(checks)
+
+
+def full_bytes(r: Results) -> Cell:
+    ratios, comm = r["sharded"]["bytes_ratio"], r["sharded"]["comm_bytes"]
+    fp32, bf16 = ratios["ts_full / ts_repl"], ratios["ts_full_bf16 / ts_shard_bf16"]
+    full, repl, shard = (comm[k] for k in ("ts_full", "ts_repl", "ts_shard"))
+    cell = (
+        f"{fp32['measured']:.4f}x, analytic {fp32['analytic']:.4f}x "
+        f"({fp32['kept_elements']:,} of {fp32['all_elements']:,} elements in units kept "
+        f"gathered for the step); per step: fully sharded {mib(full['zero_bytes'])} "
+        f"(gathered {mib(full['bytes_gathered'])}, reduce-scattered "
+        f"{mib(full['bytes_reduced'])}), replicated {mib(repl['zero_bytes'])} "
+        f"({mib(repl['bytes_reduced'])} all-reduced), `shard=True` {mib(shard['zero_bytes'])}; "
+        f"bf16 vs `shard=True` bf16: {bf16['measured']:.4f}x (analytic {bf16['analytic']:.4f}x)"
+    )
+    close = all(abs(x["measured"] / x["analytic"] - 1) <= BYTES_TOLERANCE for x in (fp32, bf16))
+    ok = close and all(c["constant"] for c in comm.values())  # the same every step and rank
+    return cell, "met" if ok else "missed"
+
+
+def full_plan(r: Results) -> Cell:
+    checks = r["sharded"]["full_memory"]
+    parts, ok = [], True
+    for label, name in (("fp32", "ts_full"), ("bf16", "ts_full_bf16")):
+        ranks = checks[name]
+        equal = all(c["persistent_equal"] for c in ranks)
+        within = all(c["transient_within_plan"] for c in ranks)
+        ok = ok and equal and within
+        peak = max(c["peak_transient"] for c in ranks)
+        bound = max(c["plan_transient"] for c in ranks)
+        parts.append(
+            f"{label}: persistent {'equal' if equal else 'DIFFERENT'} on every rank "
+            f"({mib(sum(ranks[0]['memory_bytes'][k] for k in PERSISTENT))}), "
+            f"peak unit buffers {mib(peak)} vs `transient` {mib(bound)}"
+        )
+    return "; ".join(parts), "met" if ok else "missed"
+
+
+def full_memory(r: Results) -> Cell:
+    mem = r["full"]["memory"]
+    parts, checks = [], []
+    for alloc, m in mem["by_allocator"].items():
+        label = ALLOCATOR_LABELS.get(alloc, alloc)
+        xs = m["paired"]["full / replicated"]
+        growth = {k: mib(statistics.median(v)) for k, v in m["max_growth_by_round"].items()}
+        part = f"{label}: {spread_text(xs)}, growth {growth['full']} vs {growth['replicated']}"
+        if "fsdp2 / replicated" in m["paired"]:
+            part += f" (FSDP2 ZeRO-3: {spread_text(m['paired']['fsdp2 / replicated'])})"
+        parts.append(part)
+        checks.append((label, xs, mem["target"]))
+    first = mem["by_allocator"]["glibc"]["rounds"][0]
+    held = {
+        k: sum(first[k]["ranks"][0]["memory_bytes"][f] for f in PERSISTENT)
+        for k in ("full", "replicated")
+    }
+    rounds = plural(len(checks[0][1]), "round")
+    return (
+        "; ".join(parts) + f"; per round the max over ranks, {rounds} of fresh launches; "
+        f"`memory_bytes()` {mib(held['full'])} vs {mib(held['replicated'])}",
+        verdicts(checks),
+    )
+
+
+def gloo_unit(unit: str) -> Callable[[Results], Cell]:
+    def cell(r: Results) -> Cell:
+        worlds = r["full"]["collectives"]["by_world"]
+        parts, faster, n = [], [], 0
+        for world, w in worlds.items():
+            p = w["units"][unit]["paired"]["both"]
+            n = len(p["wall"])
+            parts.append(f"{world} ranks: {wall_cpu(p)}")
+            word = verdict(p["wall"], 1.0).split()[0]  # met: owner <= native in 80%
+            winner = {"met": "owner", "missed": "native"}.get(word, "unclear")
+            k = sum(1 for x in p["wall"] if x <= 1)
+            faster.append(f"{world}: {winner} ({k} of {n} owner <= native)")
+        return "; ".join(parts) + f"; {n} repetitions", "; ".join(faster)
 
     return cell
 
@@ -402,6 +517,59 @@ ROWS = (
         ),
         "-",
         ("sharded",),
+    ),
+    Row(
+        'fully sharded step (`shard="full"`, a unit per block) vs FSDP2 `fully_shard` per '
+        "block (ZeRO-3), 2 ranks",
+        PAIRED,
+        full_vs_fsdp2,
+        "<= 1.0",
+        ("sharded",),
+    ),
+    Row(
+        "fully sharded step vs `shard=True`: fp32 / bf16 with an fp32 master",
+        PAIRED,
+        full_vs_shard,
+        "<= 1.3",
+        ("sharded",),
+    ),
+    Row(
+        "bytes communicated per step, fully sharded vs replicated (ZeRO accounting: all-reduce "
+        "2x its buffer, reduce-scatter and all-gather 1x), 2 ranks",
+        "counted (`trainer.stats`)",
+        full_bytes,
+        "= analytic within 1% (1.5x in the ZeRO paper, less the kept root units)",
+        ("sharded",),
+    ),
+    Row(
+        'fully sharded `memory_bytes()` vs `plan_memory(shard="full")`, 2 ranks',
+        "measured (tensor bytes) vs computed",
+        full_plan,
+        "persistent equal; peak unit buffers <= `transient`",
+        ("sharded",),
+    ),
+    Row(
+        "peak RSS growth per rank, fully sharded vs replicated, 4 ranks, 34.9M-parameter GPT "
+        "(fp32, AdamW), built on meta",
+        "measured, paired (fresh launches)",
+        full_memory,
+        "<= 0.5",
+        ("full",),
+    ),
+    Row(
+        "gloo: gather + reduce-scatter of a GPT-2 small block (7.1M fp32), one `broadcast` / "
+        "`reduce` per owner vs `all_gather_single` / `reduce_scatter_single`",
+        PAIRED,
+        gloo_unit("gpt2_block"),
+        "the faster: the one that wins >= 80% of the pairs",
+        ("full",),
+    ),
+    Row(
+        "gloo: the same for a block of the benchmark GPT (198K fp32)",
+        PAIRED,
+        gloo_unit("small_block"),
+        "the faster (as above)",
+        ("full",),
     ),
     Row(
         "blocking save vs `safetensors.save_file` + fsync (1 GB)",

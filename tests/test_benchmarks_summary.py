@@ -150,6 +150,86 @@ def test_a_target_is_met_only_when_the_paired_ratios_mostly_meet_it() -> None:
     assert summary.verdict([1.2, 1.25, 1.33, 1.45, 2.49], 1.3).startswith("unclear (2 of 5")
 
 
+# -- the fully sharded rows, on made-up results --------------------------------------------------
+
+
+def row(what: str) -> summary.Row:
+    (found,) = (r for r in summary.ROWS if r.what.startswith(what))
+    return found
+
+
+def full_results(by_world: dict[str, list[float]], memory: dict[str, list[float]]) -> dict:
+    """A full.json with owner/native ratios per world size and full/replicated RSS ratios
+    per allocator (every other number made up)."""
+    ranks = [{"memory_bytes": {k: 1 << 20 for k in summary.PERSISTENT}}]
+    launch = {k: {"ranks": ranks} for k in ("full", "replicated")}
+    return {
+        "full": {
+            "memory": {
+                "target": 0.5,
+                "by_allocator": {
+                    alloc: {
+                        "paired": {"full / replicated": xs},
+                        "max_growth_by_round": {"full": [1.0], "replicated": [2.0]},
+                        "rounds": [launch],
+                    }
+                    for alloc, xs in memory.items()
+                },
+            },
+            "collectives": {
+                "by_world": {
+                    world: {
+                        "units": {
+                            unit: {"paired": {"both": {"wall": xs, "cpu": xs}}}
+                            for unit in ("gpt2_block", "small_block")
+                        }
+                    }
+                    for world, xs in by_world.items()
+                }
+            },
+        }
+    }
+
+
+def test_gloo_rows_name_the_faster_strategy_at_each_world_size() -> None:
+    results = full_results(
+        {"2": [0.5] * 10, "3": [1.5] * 10, "4": [0.5] * 6 + [1.5] * 4}, {"glibc": [0.4]}
+    )
+    cell, verdict_cell = summary.measured(row("gloo: gather + reduce-scatter"), results)
+    assert verdict_cell == (
+        "2: owner (10 of 10 owner <= native); 3: native (0 of 10 owner <= native); "
+        "4: unclear (6 of 10 owner <= native)"
+    )
+    assert cell.startswith("2 ranks: wall 0.50x") and cell.endswith("; 10 repetitions")
+
+
+def test_the_memory_row_gives_one_verdict_per_allocator() -> None:
+    results = full_results({"2": [1.0]}, {"glibc": [0.6, 0.7], "mmap_128k": [0.4, 0.45]})
+    cell, verdict_cell = summary.measured(row("peak RSS growth per rank"), results)
+    assert verdict_cell == (
+        "glibc: missed (0 of 2 <= 0.5); `MALLOC_MMAP_THRESHOLD_=131072`: met (2 of 2 <= 0.5)"
+    )
+    assert "2 rounds of fresh launches" in cell
+
+
+def test_the_bytes_row_is_met_only_within_one_percent_of_the_analytic() -> None:
+    def results(measured: float) -> dict:
+        ratio = {"measured": measured, "analytic": 1.47, "all_elements": 100, "kept_elements": 6}
+        comm = {"zero_bytes": 1, "bytes_gathered": 1, "bytes_reduced": 1, "constant": True}
+        names = ("ts_repl", "ts_shard", "ts_full")
+        return {
+            "sharded": {
+                "bytes_ratio": {"ts_full / ts_repl": ratio, "ts_full_bf16 / ts_shard_bf16": ratio},
+                "comm_bytes": {name: dict(comm) for name in names},
+            }
+        }
+
+    what = row("bytes communicated per step")
+    assert summary.measured(what, results(1.47 * 1.009))[1] == "met"
+    assert summary.measured(what, results(1.5))[1] == "missed"
+    assert summary.measured(what, {"sharded": {}}) == (summary.NOT_MEASURED, "-")  # older file
+
+
 # -- staleness, on a scratch repository ------------------------------------------------------------
 
 GIT_ENV = {
@@ -225,7 +305,7 @@ def test_a_commit_to_measured_code_makes_exactly_its_results_stale(repo: Path) -
 def test_uncommitted_changes_when_measured_make_results_stale(repo: Path) -> None:
     head = git(repo, "rev-parse", "HEAD")
     problems = summary.stale(results_at(head, dirty=["torchshard/_parallel/x.py"]), repo)
-    assert stale_names(problems) == {"trainer", "sharded", "checkpoint"}, problems
+    assert stale_names(problems) == {"trainer", "sharded", "full", "checkpoint"}, problems
     assert summary.stale(results_at(head, dirty=["docs/notes.md"]), repo) == []
     unknown = results_at(head)
     unknown["flat"]["machine"]["git_dirty"] = None
