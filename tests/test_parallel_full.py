@@ -593,3 +593,26 @@ def _different_schedules() -> str:
 def test_ranks_with_different_units_or_prefetch_are_refused_before_any_gather():
     msgs = run_distributed(_different_schedules, 2, timeout=120)
     assert all("ranks [1] built a different model than rank 0" in m for m in msgs), msgs
+
+
+def _one_op_over_every_unit() -> bool:
+    def init(m: nn.Module) -> None:
+        if m is model:  # one foreach op over every parameter: every unit at once
+            torch._foreach_mul_(list(m.parameters()), 0.5)
+        else:
+            for p in m.parameters(recurse=False):
+                nn.init.normal_(p)
+
+    got = []
+    for shard in (False, "full"):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = GPT(BIG)
+        t = DistributedTrainer(FlatParamModule(model), shard=shard, init_fn=init)
+        got.append(weights(t))
+        t.close()
+    return all(torch.equal(a, b) for a, b in zip(*got))
+
+
+def test_an_init_op_that_touches_every_unit_at_once_sees_them_all():
+    assert run_distributed(_one_op_over_every_unit, 2, timeout=120) == [True, True]

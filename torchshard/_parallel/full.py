@@ -709,11 +709,18 @@ class _Materialize(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        units = []
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided:
                 u = self.by_storage.get(t.untyped_storage()._cdata)
-                if u is not None:
-                    self._touch(u)
+                if u is not None and u not in units:
+                    units.append(u)
+        for u in units:
+            self._touch(u)
+        # settle the least recent beyond two, never one this op reads or writes
+        for v in [v for v in self.recent[:-2] if v not in units]:
+            self.recent.remove(v)
+            self.owner._settle(v, self.src)
         return func(*args, **kwargs)
 
     def _touch(self, u: int) -> None:
@@ -726,9 +733,6 @@ class _Materialize(TorchDispatchMode):
         if u in self.recent:
             self.recent.remove(u)
         self.recent.append(u)
-        while len(self.recent) > 2:
-            v = self.recent.pop(0)
-            o._settle(v, self.src)
 
 
 class FullReducer:
