@@ -157,6 +157,7 @@ class FullyShard(Mode):
         # The unit buffers, with storage, long enough to cut the views; then freed.
         self.buf = [torch.zeros(g.total, dtype=fm.dtype, device=device) for g in self.geoms]
         self.state = [_FREE] * len(self.units)
+        self.versions = [0] * len(self.units)
         self.works: list[list[dist.Work]] = [[] for _ in self.units]
         self.transient = self.peak_transient = 0
         params: list[nn.Parameter] = []
@@ -282,9 +283,11 @@ class FullyShard(Mode):
             a = self.rank * n
             mine = self.shard[self.offsets[u] : self.offsets[u] + n]
             # Saved for backward are views of this storage: refilling it is no modification.
-            with torch.autograd._unsafe_preserve_version_counter(buf):
-                buf[a : a + n].copy_(mine)
-                self.works[u] = self._gather_collectives(buf, n) if self.world > 1 else []
+            # The version is put back once the gather is done (gloo's all-gather writes the
+            # output when the work completes, on its own thread).
+            self.versions[u] = buf._version
+            buf[a : a + n].copy_(mine)
+            self.works[u] = self._gather_collectives(buf, n) if self.world > 1 else []
             self.state[u] = _PENDING
             self._log("g", u)
             self.stats.bytes_gathered += nbytes if self.world > 1 else 0
@@ -292,6 +295,7 @@ class FullyShard(Mode):
             for w in self.works[u]:
                 w.wait()
             self.works[u] = []
+            torch._C._autograd._unsafe_set_version_counter((self.buf[u],), (self.versions[u],))
             self.state[u] = _READY
 
     def _gather_collectives(self, buf: torch.Tensor, n: int) -> list[dist.Work]:
