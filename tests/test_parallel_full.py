@@ -646,3 +646,36 @@ def test_gloo_all_gather_and_reduce_scatter_train_as_broadcast_and_reduce_per_ow
     # gloo's all-gather writes its output when the work completes: the unit's version
     # counter must not count that as a change of what backward saved
     run_distributed(_gloo_strategies, world_size, timeout=180)
+
+
+def _over_a_subgroup(uneven: bool) -> bool | None:
+    group = dist.new_group([1, 2])
+    if uneven:  # rank 2 knows one group more than rank 1: torch would name a local group apart
+        dist.new_group([0, 2])
+    if dist.get_rank() not in (1, 2):
+        return None
+    got, own = {}, None
+    for shard in (False, "full"):
+        torch.manual_seed(0)
+        t = DistributedTrainer(
+            FlatParamModule(Model(), align_bytes=4), shard=shard, process_group=group
+        )
+        t.make_optimizer(torch.optim.AdamW, **ADAMW)
+        for step in range(2):
+            t.zero_grad()
+            t.module(*batch(t.rank, step))[1].backward()
+            t.step()
+        got[shard] = weights(t)
+        if shard == "full":
+            own = t._mode.own_groups
+        t.close()
+    for a, b in zip(got[False], got["full"]):
+        assert torch.equal(a, b)
+    return own
+
+
+@pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven"])
+def test_a_subgroup_trains_like_the_replicated_mode_and_never_hangs_creating_groups(uneven):
+    own = run_distributed(_over_a_subgroup, 3, uneven, timeout=180)
+    # own gather and reduce-scatter groups where the members can agree on them
+    assert own == [None, not uneven, not uneven]

@@ -185,17 +185,35 @@ class FullyShard(Mode):
 
     def _groups(self, group: dist.ProcessGroup | None) -> None:
         """Two more communicators over the same ranks: gathers and reduce-scatters each keep
-        their own order, independent of how they interleave with each other."""
-        if self.world == 1:
-            self.gather_group = self.rs_group = group
-            return
-        ranks = [
+        their own order, independent of how they interleave with each other.
+
+        Over the default group every rank creates them (``new_group``, as all ranks must).
+        Over a subgroup only its members do (``use_local_synchronization``), and torch names
+        such a group from its ranks and the number of groups each member knows; where members
+        know different numbers, they would wait for each other under different names forever:
+        then the trainer's group carries all three orders (the same on every rank as long as
+        the ranks use the same parameters; see docs/fully-sharded.md)."""
+        self.global_ranks = [
             dist.get_global_rank(group, r) if group is not None else r for r in range(self.world)
         ]
+        self.gather_group = self.rs_group = group
+        self.own_groups = False
+        if self.world == 1:
+            return
         backend = dist.get_backend(group)
-        self.gather_group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
-        self.rs_group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
-        self.global_ranks = ranks
+        default = group is None or group == dist.group.WORLD
+        if not default:
+            known = torch.tensor([len(dist.distributed_c10d._world.pg_names)], device=self.device)
+            lo, hi = known.clone(), known.clone()
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+            if bool(lo != hi):
+                return
+        local = not default
+        ranks = self.global_ranks
+        self.gather_group = dist.new_group(ranks, backend=backend, use_local_synchronization=local)
+        self.rs_group = dist.new_group(ranks, backend=backend, use_local_synchronization=local)
+        self.own_groups = True
 
     @torch.no_grad()
     def _fill(
