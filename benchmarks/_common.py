@@ -39,6 +39,23 @@ def add_examples_to_path() -> None:
 
 
 # -- machine ----------------------------------------------------------------------------
+def fsdp2_api() -> tuple[Any, Any]:
+    """FSDP2's ``fully_shard`` (``None`` on a torch without it) and ``DTensor``, wherever
+    this torch keeps them."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # older torch
+        try:
+            from torch.distributed._composable.fsdp import fully_shard
+        except ImportError:
+            fully_shard = None
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # older torch
+        from torch.distributed._tensor import DTensor
+    return fully_shard, DTensor
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on (goes at the top of every results file)."""
     return {

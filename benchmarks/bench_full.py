@@ -56,6 +56,7 @@ from _common import (
     add_examples_to_path,
     fmt_bytes,
     format_table,
+    fsdp2_api,
     machine_info,
     rss_bytes,
     run_ranks,
@@ -65,17 +66,7 @@ from summary import spread_text, verdict
 
 from torchshard import DistributedTrainer, FlatParamModule, plan_memory
 
-try:
-    from torch.distributed.fsdp import fully_shard
-except ImportError:  # older torch
-    try:
-        from torch.distributed._composable.fsdp import fully_shard
-    except ImportError:
-        fully_shard = None
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # older torch
-    from torch.distributed._tensor import DTensor
+fully_shard, DTensor = fsdp2_api()
 
 add_examples_to_path()
 from gpt import GPT, GPTConfig, init_gpt_weights  # noqa: E402

@@ -68,6 +68,7 @@ from _common import (
     add_examples_to_path,
     fmt_bytes,
     format_table,
+    fsdp2_api,
     machine_info,
     run_ranks,
     write_json,
@@ -78,17 +79,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torchshard import DistributedTrainer, FlatParamModule, plan_memory
 from torchshard._parallel.units import resolve_units
 
-try:
-    from torch.distributed.fsdp import fully_shard
-except ImportError:  # older torch
-    try:
-        from torch.distributed._composable.fsdp import fully_shard
-    except ImportError:
-        fully_shard = None
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # older torch
-    from torch.distributed._tensor import DTensor
+fully_shard, DTensor = fsdp2_api()
 
 add_examples_to_path()
 from gpt import GPT, GPTConfig  # noqa: E402

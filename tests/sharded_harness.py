@@ -1,7 +1,7 @@
 """What the sharded-trainer tests share: a tiny GPT whose buffer no world size in 2..4 divides,
 per-rank batches, and a trainer's whole state laid out like the flat buffer.
 
-Used by ``test_parallel_sharded_parity.py``, ``test_parallel_subgroups.py``,
+Used by ``test_parallel_full.py``, ``test_parallel_sharded_parity.py``, ``test_parallel_subgroups.py``,
 ``test_checkpoint_bf16_master.py``, ``test_checkpoint_async_sharded.py`` and
 ``test_checkpoint_failures.py``; all of it runs in the worker processes of ``run_distributed``.
 """
@@ -28,6 +28,24 @@ class Model(GPT):
     def forward(self, idx, targets):  # type: ignore[override]
         logits, loss = super().forward(idx, targets)
         return logits, loss * self.gain.mean()
+
+
+class Heads(Model):
+    """The model plus two auxiliary heads that some steps (and ranks) do not use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = torch.nn.Linear(CFG.n_embd, 1)  # used on some ranks in some steps
+        self.aux2 = torch.nn.Linear(CFG.n_embd, 1)  # in some steps used by no rank at all
+
+    def forward(self, idx, targets, use_aux=False, use_aux2=False):  # type: ignore[override]
+        logits, loss = super().forward(idx, targets)
+        h = self.wte(idx)
+        if use_aux:
+            loss = loss + self.aux(h).pow(2).mean()
+        if use_aux2:
+            loss = loss + self.aux2(h).pow(2).mean()
+        return logits, loss
 
 
 def no_decay(name: str) -> bool:
@@ -78,35 +96,35 @@ def has_master(trainer: DistributedTrainer) -> bool:
 
 
 def flat_state(trainer: DistributedTrainer) -> dict[str, torch.Tensor]:
-    """Weights, master weights and optimizer state laid out like the flat buffer (without
-    padding), the same on every rank of the trainer's group (a collective).
+    """Weights, master weights and optimizer state laid out like the flat buffer (zeros in
+    the gaps), in any mode, the same on every rank (a collective).
 
-    ``weights``: the flat buffer (zeros in the gaps between parameters); ``master``: the fp32 copies the sharded optimizer updates
-    (a bf16 buffer only); ``<key>``: each flat optimizer state tensor (``exp_avg``...);
-    ``<key>/slot``: each scalar state (Adam's ``step``) by slot.
+    ``weights``: every parameter by slot, read inside ``trainer.gathered()`` (the full mode
+    has no flat buffer); ``master``: what a sharded optimizer updates, when that is another
+    dtype than the weights; ``<key>``: each flat optimizer state; ``<key>/slot``: each scalar
+    state by slot (pieces of a slot share it).
     """
     fm, opt = trainer.module, trainer.optimizer
     assert opt is not None
-    group = trainer.process_group
-    n = fm.layout.numel
-    weights = torch.zeros(n, dtype=fm.dtype)  # alignment gaps hold no value: zeros
-    for s in fm.layout.slots:
-        weights[s.offset : s.end] = fm.flat_param[s.offset : s.end]
-    out = {"weights": weights}
-    mine = trainer.rank == 0 or trainer.shard  # replicated: every rank holds everything
+    layout, n = fm.layout, fm.layout.numel
+    params = dict(fm.module.named_parameters(remove_duplicate=False))
+    out = {"weights": torch.zeros(n, dtype=fm.dtype)}
+    with trainer.gathered():
+        for s in layout.slots:
+            out["weights"][s.offset : s.end] = params[s.name].detach().reshape(-1).cpu()
+    mine = trainer.rank == 0 or bool(trainer.shard)  # replicated: every rank holds it all
     segments = trainer.optimizer_segments()
-    local: dict[str, tuple[torch.dtype, bool]] = {}  # key -> (dtype, per slot)
+    local: dict[str, tuple[str, bool]] = {}
     for _, _, _, t in segments:
         for k, v in opt.state.get(t, {}).items():
-            local.setdefault(k, (v.dtype, v.dim() == 0))
+            local.setdefault(k, (str(v.dtype), v.dim() == 0))
     everyone: list[dict] = [{} for _ in range(trainer.world_size)]
-    dist.all_gather_object(everyone, local, group=group)  # a rank may hold no state
+    dist.all_gather_object(everyone, local, group=trainer.process_group)
     keys: dict[str, torch.Tensor] = {}
     for k, (dtype, scalar) in sorted({k: v for d in everyone for k, v in d.items()}.items()):
-        keys[f"{k}/slot" if scalar else k] = torch.zeros(
-            len(fm.layout) if scalar else n, dtype=dtype
-        )
-    if has_master(trainer):
+        dt = getattr(torch, dtype.removeprefix("torch."))
+        keys[f"{k}/slot" if scalar else k] = torch.zeros(len(layout) if scalar else n, dtype=dt)
+    if trainer.shard and fm.dtype != torch.float32:
         keys["master"] = torch.zeros(n, dtype=torch.float32)
     for slot, a, b, t in segments:
         if not mine:
@@ -114,13 +132,13 @@ def flat_state(trainer: DistributedTrainer) -> dict[str, torch.Tensor]:
         if "master" in keys:
             keys["master"][a:b] = t.detach().reshape(-1)
         for k, v in opt.state.get(t, {}).items():
-            if v.dim() == 0:  # one per slot (pieces of a slot share the value)
+            if v.dim() == 0:
                 keys[f"{k}/slot"][slot] = v
             else:
                 keys[k][a:b] = v.reshape(-1)
     for k in sorted(keys):
         op = dist.ReduceOp.MAX if k.endswith("/slot") else dist.ReduceOp.SUM
-        dist.all_reduce(keys[k], op=op, group=group)  # each element from exactly one rank
+        dist.all_reduce(keys[k], op=op, group=trainer.process_group)  # one rank per element
         out[k] = keys[k]
     return out
 

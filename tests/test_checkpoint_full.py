@@ -24,60 +24,13 @@ import torch.distributed as dist
 from gpt import GPT, GPTConfig
 from multiprocess import run_distributed
 from sharded_harness import batch, differences, new_trainer, train
+from sharded_harness import flat_state as state_of
 
 from torchshard import DistributedTrainer, FlatParamModule, checkpoint
 
 SAVE_AT, MORE = 3, 2  # steps before the save, and after it
 
 pytestmark = pytest.mark.slow
-
-
-def state_of(trainer: DistributedTrainer) -> dict[str, torch.Tensor]:
-    """Weights, master weights and optimizer state laid out like the flat buffer (zeros in
-    the gaps), in any mode, the same on every rank (a collective).
-
-    ``weights``: every parameter by slot, read inside ``trainer.gathered()`` (the full mode
-    has no flat buffer); ``master``: what a sharded optimizer updates, when that is another
-    dtype than the weights; ``<key>``: each flat optimizer state; ``<key>/slot``: each scalar
-    state by slot (pieces of a slot share it).
-    """
-    fm, opt = trainer.module, trainer.optimizer
-    assert opt is not None
-    layout, n = fm.layout, fm.layout.numel
-    params = dict(fm.module.named_parameters(remove_duplicate=False))
-    out = {"weights": torch.zeros(n, dtype=fm.dtype)}
-    with trainer.gathered():
-        for s in layout.slots:
-            out["weights"][s.offset : s.end] = params[s.name].detach().reshape(-1).cpu()
-    mine = trainer.rank == 0 or bool(trainer.shard)  # replicated: every rank holds it all
-    segments = trainer.optimizer_segments()
-    local: dict[str, tuple[str, bool]] = {}
-    for _, _, _, t in segments:
-        for k, v in opt.state.get(t, {}).items():
-            local.setdefault(k, (str(v.dtype), v.dim() == 0))
-    everyone: list[dict] = [{} for _ in range(trainer.world_size)]
-    dist.all_gather_object(everyone, local, group=trainer.process_group)
-    keys: dict[str, torch.Tensor] = {}
-    for k, (dtype, scalar) in sorted({k: v for d in everyone for k, v in d.items()}.items()):
-        dt = getattr(torch, dtype.removeprefix("torch."))
-        keys[f"{k}/slot" if scalar else k] = torch.zeros(len(layout) if scalar else n, dtype=dt)
-    if trainer.shard and fm.dtype != torch.float32:
-        keys["master"] = torch.zeros(n, dtype=torch.float32)
-    for slot, a, b, t in segments:
-        if not mine:
-            continue
-        if "master" in keys:
-            keys["master"][a:b] = t.detach().reshape(-1)
-        for k, v in opt.state.get(t, {}).items():
-            if v.dim() == 0:
-                keys[f"{k}/slot"][slot] = v
-            else:
-                keys[k][a:b] = v.reshape(-1)
-    for k in sorted(keys):
-        op = dist.ReduceOp.MAX if k.endswith("/slot") else dist.ReduceOp.SUM
-        dist.all_reduce(keys[k], op=op, group=trainer.process_group)  # one rank per element
-        out[k] = keys[k]
-    return out
 
 
 def _as_saved(saved: dict[str, torch.Tensor], trainer: DistributedTrainer) -> dict:

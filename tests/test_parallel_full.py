@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from gpt import GPT, GPTConfig
 from multiprocess import run_distributed
-from sharded_harness import CFG, KW, Model, batch, no_decay
+from sharded_harness import KW, Heads, Model, batch, no_decay
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
@@ -27,24 +27,6 @@ from torchshard._flat.layout import FlatLayout
 from torchshard._parallel.units import resolve_units
 
 ADAMW = dict(lr=1e-2, eps=1e-6, weight_decay=0.1)
-
-
-class Heads(Model):
-    """The model plus two auxiliary heads that some steps (and ranks) do not use."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.aux = nn.Linear(CFG.n_embd, 1)
-        self.aux2 = nn.Linear(CFG.n_embd, 1)
-
-    def forward(self, idx, targets, use_aux=False, use_aux2=False):  # type: ignore[override]
-        logits, loss = super().forward(idx, targets)
-        h = self.wte(idx)
-        if use_aux:
-            loss = loss + self.aux(h).pow(2).mean()
-        if use_aux2:
-            loss = loss + self.aux2(h).pow(2).mean()
-        return logits, loss
 
 
 def flags(rank: int, step: int) -> dict:
@@ -62,6 +44,20 @@ def weights(trainer: DistributedTrainer) -> list[torch.Tensor]:
     """Every parameter's values, by slot (copies: in full mode the views are freed after)."""
     with trainer.gathered():
         return [p.detach().clone() for _, p in _slots(trainer)]
+
+
+def trained(model: nn.Module, steps: int, rank: int, **kw) -> list[torch.Tensor]:
+    """``model`` fully sharded (``kw``: trainer options) after ``steps`` AdamW steps on
+    ``batch(rank, step)``: its weights by slot."""
+    t = DistributedTrainer(FlatParamModule(model, align_bytes=4), shard="full", **kw)
+    t.make_optimizer(torch.optim.AdamW, **ADAMW)
+    for step in range(steps):
+        t.zero_grad()
+        t.module(*batch(rank, step))[1].backward()
+        t.step()
+    out = weights(t)
+    t.close()
+    return out
 
 
 def _slots(trainer: DistributedTrainer):
@@ -426,14 +422,7 @@ def _compiled() -> None:
         if compiled:  # each block's inner forward: the unit's hooks stay outside the graph
             for block in model.blocks:
                 block.forward = torch.compile(block.forward, backend="aot_eager", dynamic=False)
-        t = DistributedTrainer(FlatParamModule(model, align_bytes=4), shard="full")
-        t.make_optimizer(torch.optim.AdamW, **ADAMW)
-        for step in range(2):
-            t.zero_grad()
-            t.module(*batch(rank, step))[1].backward()
-            t.step()
-        got[compiled] = weights(t)
-        t.close()
+        got[compiled] = trained(model, 2, rank)
     for a, b in zip(got[False], got[True]):
         close(a, b, "compiled per block")
 
@@ -626,14 +615,7 @@ def _gloo_strategies() -> None:
     for how in ("owner", "native"):
         full_mode.GLOO_COLLECTIVES = how
         torch.manual_seed(0)
-        t = DistributedTrainer(FlatParamModule(Model(), align_bytes=4), shard="full")
-        t.make_optimizer(torch.optim.AdamW, **ADAMW)
-        for step in range(3):
-            t.zero_grad()
-            t.module(*batch(rank, step))[1].backward()
-            t.step()
-        got[how] = weights(t)
-        t.close()
+        got[how] = trained(Model(), 3, rank)
     for a, b in zip(got["owner"], got["native"]):
         if dist.get_world_size() == 2:
             assert torch.equal(a, b)

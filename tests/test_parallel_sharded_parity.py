@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiprocess import run_distributed
-from sharded_harness import CFG, Model, batch
+from sharded_harness import Heads, Model, batch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -25,24 +25,6 @@ from torchshard import DistributedTrainer, FlatParamModule, TorchShardError
 
 ADAMW = dict(lr=1e-2, eps=1e-6, weight_decay=0.1)
 STEPS = 8
-
-
-class Heads(Model):
-    """The model plus two auxiliary heads that some steps (and ranks) do not use."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.aux = nn.Linear(CFG.n_embd, 1)  # used on some ranks in some steps
-        self.aux2 = nn.Linear(CFG.n_embd, 1)  # in some steps used by no rank at all
-
-    def forward(self, idx, targets, use_aux=False, use_aux2=False):  # type: ignore[override]
-        logits, loss = super().forward(idx, targets)
-        h = self.wte(idx)
-        if use_aux:
-            loss = loss + self.aux(h).pow(2).mean()
-        if use_aux2:
-            loss = loss + self.aux2(h).pow(2).mean()
-        return logits, loss
 
 
 def micro_batch(rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
