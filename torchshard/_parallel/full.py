@@ -57,18 +57,32 @@ one reduce per owner; ``"native"`` uses ``all_gather_single``/``reduce_scatter_s
 bench_full.py`` measures both; NCCL always uses the native, in-place collectives."""
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None (another libc)."""
-    import ctypes
-    import ctypes.util
+class _Heap:
+    """glibc's heap, for a CPU trainer: how many free bytes it keeps, and giving them back."""
 
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return None
+    def __init__(self) -> None:
+        import ctypes
+        import ctypes.util
+
+        self.trim: Any = None
+        self.info: Any = None
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c"))
+            trim, info = libc.malloc_trim, libc.mallinfo2
+        except (OSError, AttributeError, TypeError):  # not glibc (>= 2.33)
+            return
+        fields = ("arena", "ordblks", "smblks", "hblks", "hblkhd")
+        fields += ("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+        info.restype = type(
+            "mallinfo2", (ctypes.Structure,), {"_fields_": [(n, ctypes.c_size_t) for n in fields]}
+        )
+        self.trim, self.info = trim, info
+
+    def free_bytes(self) -> int:
+        return int(self.info().fordblks) if self.info is not None else 0
 
 
-_TRIM = _malloc_trim()
+_HEAP = _Heap()
 
 
 def _in_backward() -> bool:
@@ -123,6 +137,7 @@ class FullyShard(Mode):
         self._hooks: list[Any] = []
         self._closed = False
         self._filled: set[int] = set()
+        self._heap_free = 0
 
     # -- construction ----------------------------------------------------------------------
     def prepare(self, fm: FlatParamModule) -> None:
@@ -702,15 +717,20 @@ class FullyShard(Mode):
         for t in self._pool:
             self.transient -= t.numel() * t.element_size()
         self._pool.clear()
-        self._trim()
+        self._trim(slack=2 * max(g.total for g in self.geoms) * self.dtype.itemsize)
 
-    def _trim(self) -> None:
-        """On CPU, give the heap memory freed since back to the system. The unit buffers are
-        freed and allocated again every step; glibc raises its mmap threshold to the size of
-        the first one freed and then serves them from the heap, which keeps what they free
-        resident: the RSS grew step after step (to 2x the replicated mode's at 4 ranks)."""
-        if self.device.type == "cpu" and _TRIM is not None:
-            _TRIM(0)
+    def _trim(self, *, slack: int = 0) -> None:
+        """On CPU, give the heap's free memory back to the system once it holds ``slack``
+        bytes more than after the last time. The unit buffers are freed and allocated again
+        every step; glibc raises its mmap threshold to the size of the first one freed, then
+        serves them from its heap, and what they leave free there stays resident: the RSS
+        grew step after step, to 2x the replicated mode's at 4 ranks. Trimming every step
+        would cost page faults in steps that reuse what they freed."""
+        if self.device.type != "cpu" or _HEAP.trim is None:
+            return
+        if _HEAP.free_bytes() > self._heap_free + slack:
+            _HEAP.trim(0)
+            self._heap_free = _HEAP.free_bytes()  # what trimming leaves: the new baseline
 
     @torch.no_grad()
     def zero_grad(self) -> None:
