@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._errors import TorchShardError
@@ -42,13 +41,13 @@ from .._flat.hf import clear_init_flags
 from .._flat.module import FlatParamModule, _init_own_way
 from .._flat.views import Owners
 from .buckets import Bucket
+from .full_support import FREE, HEAP, PENDING, READY, Materialize, PostBackward
 from .mode import Context, Mode, Segment
 from .reducer import CommStats
 from .units import Unit, UnitSpec, resolve_units, unit_geometry
 
 __all__ = ["FullyShard"]
 
-_FREE, _PENDING, _READY = 0, 1, 2
 
 GLOO_COLLECTIVES = "owner"
 """On gloo: ``"owner"`` gathers a unit with one broadcast per owner and reduces it with
@@ -57,50 +56,8 @@ one reduce per owner; ``"native"`` uses ``all_gather_single``/``reduce_scatter_s
 bench_full.py`` measures both; NCCL always uses the native, in-place collectives."""
 
 
-class _Heap:
-    """glibc's heap, for a CPU trainer: how many free bytes it keeps, and giving them back."""
-
-    def __init__(self) -> None:
-        import ctypes
-        import ctypes.util
-
-        self.trim: Any = None
-        self.info: Any = None
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c"))
-            trim, info = libc.malloc_trim, libc.mallinfo2
-        except (OSError, AttributeError, TypeError):  # not glibc (>= 2.33)
-            return
-        fields = ("arena", "ordblks", "smblks", "hblks", "hblkhd")
-        fields += ("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
-        info.restype = type(
-            "mallinfo2", (ctypes.Structure,), {"_fields_": [(n, ctypes.c_size_t) for n in fields]}
-        )
-        self.trim, self.info = trim, info
-
-    def free_bytes(self) -> int:
-        return int(self.info().fordblks) if self.info is not None else 0
-
-
-_HEAP = _Heap()
-
-
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
-
-    @staticmethod
-    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.callback = callback
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.callback()
-        return (None, *grads)
 
 
 class FullyShard(Mode):
@@ -109,6 +66,7 @@ class FullyShard(Mode):
     sharded = True
     norm_is_partial = True
     owns_buffers = True
+    whole_weights = False
     label = "full"
 
     def __init__(
@@ -185,7 +143,7 @@ class FullyShard(Mode):
                 originals[i] = None if p.is_meta else p.detach()
         # The unit buffers, with storage, long enough to cut the views; then freed.
         self.buf = [torch.zeros(g.total, dtype=fm.dtype, device=device) for g in self.geoms]
-        self.state = [_FREE] * len(self.units)
+        self.state = [FREE] * len(self.units)
         self.versions = [0] * len(self.units)
         self.works: list[list[dist.Work]] = [[] for _ in self.units]
         self.transient = self.peak_transient = 0
@@ -275,14 +233,14 @@ class FullyShard(Mode):
         # A meta-built model: run the initializer as today (same order, same random
         # numbers), materializing each unit when an op first touches it and settling
         # units the initializer has moved past (a unit touched again is gathered back).
-        with _Materialize(self, src):
+        with Materialize(self, src):
             clear_init_flags(self.fm.module)
             if init_fn is not None:
                 self.fm.module.apply(init_fn)
             else:
                 _init_own_way(self.fm.module)
         for u in self.units:
-            if self.state[u.index] == _READY:
+            if self.state[u.index] == READY:
                 self._settle(u.index, src)
             elif u.index not in self._filled:
                 self._alloc(u.index)  # nothing initialized it: zeros, as the gaps
@@ -310,18 +268,18 @@ class FullyShard(Mode):
                 buf.zero_()
             self.transient += nbytes
             self.peak_transient = max(self.peak_transient, self.transient)
-        self.state[u] = _READY
+        self.state[u] = READY
 
     def _free(self, u: int) -> None:
         buf = self.buf[u]
         if buf.untyped_storage().nbytes():
             self.transient -= buf.untyped_storage().nbytes()
             buf.untyped_storage().resize_(0)
-        self.state[u] = _FREE
+        self.state[u] = FREE
 
     def gather(self, u: int, *, wait: bool) -> None:
         """Start (and with ``wait``, finish) making unit ``u`` whole from the stripes."""
-        if self.state[u] == _FREE:
+        if self.state[u] == FREE:
             buf = self.buf[u]
             nbytes = buf.numel() * buf.element_size()
             buf.untyped_storage().resize_(nbytes)
@@ -336,15 +294,15 @@ class FullyShard(Mode):
             self.versions[u] = buf._version
             buf[a : a + n].copy_(mine)
             self.works[u] = self._gather_collectives(buf, n) if self.world > 1 else []
-            self.state[u] = _PENDING
+            self.state[u] = PENDING
             self._log("g", u)
             self.stats.bytes_gathered += nbytes if self.world > 1 else 0
-        if wait and self.state[u] == _PENDING:
+        if wait and self.state[u] == PENDING:
             for w in self.works[u]:
                 w.wait()
             self.works[u] = []
             torch._C._autograd._unsafe_set_version_counter((self.buf[u],), (self.versions[u],))
-            self.state[u] = _READY
+            self.state[u] = READY
 
     def _gather_collectives(self, buf: torch.Tensor, n: int) -> list[dist.Work]:
         g = self.gather_group
@@ -359,13 +317,13 @@ class FullyShard(Mode):
 
     def release(self, u: int) -> None:
         """Free unit ``u`` unless it is kept for the step or pinned by :meth:`gathered`."""
-        if not self.units[u].kept and not self._pinned and self.state[u] != _FREE:
+        if not self.units[u].kept and not self._pinned and self.state[u] != FREE:
             self.gather(u, wait=True)  # never free under a collective in flight
             self._free(u)
 
     def release_all(self) -> None:
         for u in range(len(self.units)):
-            if self.state[u] != _FREE:
+            if self.state[u] != FREE:
                 self.gather(u, wait=True)
                 self._free(u)
 
@@ -466,7 +424,7 @@ class FullyShard(Mode):
             idx = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if not idx:
                 return None
-            outs = _PostBackward.apply(lambda: self._post_backward(u), *(flat[k] for k in idx))
+            outs = PostBackward.apply(lambda: self._post_backward(u), *(flat[k] for k in idx))
             for k, t in zip(idx, outs):
                 flat[k] = t
             return tree_unflatten(flat, spec)
@@ -632,9 +590,6 @@ class FullyShard(Mode):
         else:
             self.transient -= gu.numel() * gu.element_size()
 
-    def finish(self, ctx: Context) -> None:  # the core's Mode.finish: unused, see `reduce`
-        raise AssertionError("FullyShard finishes in reduce()")
-
     @torch.no_grad()
     def reduce(self) -> None:
         """The gradients of every backward since the last step, averaged into the stripes."""
@@ -707,9 +662,6 @@ class FullyShard(Mode):
     def local_grad(self, ctx: Context) -> torch.Tensor:
         return self.grad_shard
 
-    def attach_grads(self, ctx: Context, used: dict[int, bool]) -> None:
-        pass
-
     @torch.no_grad()
     def after_step(self, ctx: Context) -> None:
         self.grad_shard.zero_()
@@ -726,11 +678,11 @@ class FullyShard(Mode):
         serves them from its heap, and what they leave free there stays resident: the RSS
         grew step after step, to 2x the replicated mode's at 4 ranks. Trimming every step
         would cost page faults in steps that reuse what they freed."""
-        if self.device.type != "cpu" or _HEAP.trim is None:
+        if self.device.type != "cpu" or HEAP.trim is None:
             return
-        if _HEAP.free_bytes() > self._heap_free + slack:
-            _HEAP.trim(0)
-            self._heap_free = _HEAP.free_bytes()  # what trimming leaves: the new baseline
+        if HEAP.free_bytes() > self._heap_free + slack:
+            HEAP.trim(0)
+            self._heap_free = HEAP.free_bytes()  # what trimming leaves: the new baseline
 
     @torch.no_grad()
     def zero_grad(self) -> None:
@@ -751,7 +703,10 @@ class FullyShard(Mode):
             return 0
         return 2 * self.shard.numel() * self.shard.element_size()
 
-    def memory(self, opt: int) -> dict[str, int]:
+    def own_reducer(self) -> FullReducer:
+        return FullReducer(self)
+
+    def memory(self, ctx: Context, opt: int) -> dict[str, int]:
         nbytes = self.shard.numel() * self.shard.element_size()
         own = self.shard_dtype == self.dtype
         return {
@@ -784,46 +739,6 @@ class FullyShard(Mode):
             for w in self.works[u]:
                 w.wait()
             self.works[u] = []
-
-
-class _Materialize(TorchDispatchMode):
-    """During a meta-built model's initialization: give a unit storage when an op first
-    touches it (zeros; or gathered back from the stripes once settled), and settle the least
-    recently touched when more than two are materialized."""
-
-    def __init__(self, owner: FullyShard, src: int) -> None:
-        super().__init__()
-        self.owner, self.src = owner, src
-        self.by_storage = {b.untyped_storage()._cdata: i for i, b in enumerate(owner.buf)}
-        self.recent: list[int] = []
-        owner._filled.clear()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        units = []
-        for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided:
-                u = self.by_storage.get(t.untyped_storage()._cdata)
-                if u is not None and u not in units:
-                    units.append(u)
-        for u in units:
-            self._touch(u)
-        # settle the least recent beyond two, never one this op reads or writes
-        for v in [v for v in self.recent[:-2] if v not in units]:
-            self.recent.remove(v)
-            self.owner._settle(v, self.src)
-        return func(*args, **kwargs)
-
-    def _touch(self, u: int) -> None:
-        o = self.owner
-        if o.state[u] == _FREE:
-            if u in o._filled:
-                o.gather(u, wait=True)  # settled before: its values are the stripes'
-            else:
-                o._alloc(u)
-        if u in self.recent:
-            self.recent.remove(u)
-        self.recent.append(u)
 
 
 class FullReducer:

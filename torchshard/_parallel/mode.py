@@ -10,7 +10,10 @@ at construction (:func:`pick_mode`); adding a mode is adding a file and a line t
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,7 +84,10 @@ class Mode:
     norm_is_partial: bool = False
     """``local_grad`` is this rank's part only: the norm is summed across ranks."""
     owns_buffers: bool = False
-    """The mode binds the module itself (:meth:`adopt`) instead of one flat buffer."""
+    """The mode binds the module itself (:meth:`prepare`, :meth:`adopt`) instead of one flat
+    buffer, and reduces through its own reducer (:meth:`own_reducer`)."""
+    whole_weights: bool = True
+    """Every rank holds every weight (``broadcast`` and ``all_reduce_parameters`` apply)."""
     label: str = ""
     """What ``trainer.shard`` reports when it is not a plain bool."""
     bytes_gathered: int = 0
@@ -90,6 +96,45 @@ class Mode:
     """Without a native average, scale each bucket by ``1/world_size`` as it launches
     (DDP's order: the bucket is warm, the pass overlaps backward, none is left after)."""
 
+    # -- a mode that binds the module itself (owns_buffers) -----------------------------------
+    def prepare(self, fm: FlatParamModule) -> None:
+        """Plan from the module alone, before the ranks compare models (fingerprint)."""
+
+    def adopt(
+        self,
+        fm: FlatParamModule,
+        device: torch.device,
+        group: dist.ProcessGroup | None,
+        src: int,
+        init_fn: Callable[[torch.nn.Module], None] | None,
+    ) -> tuple[torch.nn.Parameter, ...]:
+        """Bind ``fm`` to the mode's own storage, weights as ``src`` holds them; the params."""
+        raise NotImplementedError
+
+    def own_reducer(self) -> Any:
+        """The reducer the trainer uses instead of the bucket reducer (``None``: that one)."""
+        return None
+
+    def gathered(self) -> contextlib.AbstractContextManager[None]:
+        """Every weight materialized inside the block (already so unless a mode frees them)."""
+        return contextlib.nullcontext()
+
+    def order_digest(self) -> str | None:
+        """A digest of the collectives issued so far (``None``: a fixed order, nothing to check)."""
+        return None
+
+    def memory(self, ctx: Context, optimizer_bytes: int) -> dict[str, int]:
+        """What ``trainer.memory_bytes()`` reports."""
+        flat, grad = ctx.flat, ctx.fm.flat_grad
+        return {
+            "parameters": flat.numel() * flat.element_size(),
+            "gradients": 0 if grad is None else grad.numel() * grad.element_size(),
+            "optimizer": optimizer_bytes,
+            "master": self.master_bytes(),
+            "transient": 0,
+        }
+
+    # -- buffers and buckets ----------------------------------------------------------------------
     def mask_elements(self, n_trainable: int, world_size: int, align: int) -> int:
         """Elements to reserve just before the flat gradient for the used-parameter mask."""
         return 0

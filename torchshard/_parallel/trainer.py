@@ -15,7 +15,7 @@ from .._flat.geometry import Geometry
 from .._flat.module import FlatParamModule
 from .._log import get_logger
 from .buckets import Bucket, plan_buckets
-from .full import FullReducer, FullyShard
+from .full import FullyShard
 from .mode import Context, Mode, Segment
 from .reducer import CommStats, Reducer
 from .replicated import Replicated
@@ -128,7 +128,7 @@ class DistributedTrainer:
         self._geometry = Geometry.of(layout, self.world_size, pad=self._mode.pads)
         self.padded_numel = self._geometry.total
         self._closed = False
-        if isinstance(self._mode, FullyShard):
+        if self._mode.owns_buffers:
             # the model (and the units) are checked before the first collective that
             # depends on them
             self._mode.prepare(fm)
@@ -179,11 +179,7 @@ class DistributedTrainer:
         self._mode.setup(self._ctx, self._buckets)
         self._optimizer: torch.optim.Optimizer | None = None
         self.group_names: list[list[str]] = []  # per param group of make_optimizer's optimizer
-        self._reducer: Reducer | FullReducer = (
-            FullReducer(self._mode)
-            if isinstance(self._mode, FullyShard)
-            else Reducer(self._ctx, self._mode, self._buckets)
-        )
+        self._reducer = self._mode.own_reducer() or Reducer(self._ctx, self._mode, self._buckets)
         self.stats = self._reducer.stats
         logger.info(
             "DistributedTrainer: rank %d of %d on %s, %d parameters in %d bucket(s)",
@@ -261,9 +257,9 @@ class DistributedTrainer:
                 dist.broadcast(b, root, group=self._group)
 
     def _not_full(self, what: str) -> None:
-        if isinstance(self._mode, FullyShard):
+        if not self._mode.whole_weights:
             raise TorchShardError(
-                f"{what}: not available with shard='full': each rank holds only its stripes "
+                f"{what}: not available with shard={self.shard!r}: each rank holds only its stripes "
                 "of the weights (they are the same everywhere by construction); use "
                 "`with trainer.gathered():` to see every weight"
             )
@@ -282,10 +278,7 @@ class DistributedTrainer:
                 sd = {k: v.clone() for k, v in fm.state_dict().items()}
         """
         self._check_open()
-        if isinstance(self._mode, FullyShard):
-            with torch.no_grad(), self._mode.gathered():
-                yield
-        else:
+        with torch.no_grad(), self._mode.gathered():
             yield
 
     @torch.no_grad()
@@ -462,24 +455,13 @@ class DistributedTrainer:
             m = trainer.memory_bytes()
             print(sum(m.values()) / 2**20, "MiB")
         """
-        flat, grad = self._flat, self.module.flat_grad
         opt = 0
         if self._optimizer is not None:
             for state in self._optimizer.state.values():
                 for v in state.values():
                     if isinstance(v, torch.Tensor):
                         opt += v.numel() * v.element_size()
-        if isinstance(self._mode, FullyShard):
-            return self._mode.memory(opt)
-        assert flat is not None
-        master = self._mode.master_bytes()
-        return {
-            "parameters": flat.numel() * flat.element_size(),
-            "gradients": 0 if grad is None else grad.numel() * grad.element_size(),
-            "optimizer": opt,
-            "master": master,
-            "transient": 0,
-        }
+        return self._mode.memory(self._ctx, opt)
 
     def check_collective_order(self) -> None:
         """Raise :class:`RankMismatchError` on every rank if the ranks issued different
@@ -492,9 +474,10 @@ class DistributedTrainer:
             trainer.check_collective_order()   # e.g. after the first steps of a new model
         """
         self._check_open()
-        if not isinstance(self._mode, FullyShard) or self.world_size == 1:
+        digest = self._mode.order_digest()
+        if digest is None or self.world_size == 1:
             return
-        mine = self._mode.order_digest().encode()
+        mine = digest.encode()
         everyone = [r.decode() for r in exchange_bytes(mine, self._group, self.device)]
         odd = [r for r, d in enumerate(everyone) if d != everyone[0]]
         if odd:
