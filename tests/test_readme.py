@@ -50,7 +50,7 @@ def test_the_readme_has_a_short_quickstart():
     blocks = python_blocks(README)
     assert blocks and re.search(r"## Quickstart\n\n```python\n", README.read_text())
     code = [ln for ln in blocks[0].splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    assert len(code) <= 15, len(code)
+    assert len(code) <= 18, len(code)  # 3 of them print the global mean loss, once
 
 
 def test_the_checkpoint_snippet_resumes_where_it_stopped(tmp_path):
