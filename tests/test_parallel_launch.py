@@ -150,19 +150,23 @@ def _init_from_torchrun_env() -> dict:
     trainer.assert_in_sync()
     trainer.close()
     trainer.close()  # idempotent
+    # the group init_distributed made outlives close() (torn down at exit), so that a
+    # user's own destroy_process_group() after close() works
+    kept = dist.is_initialized()
+    dist.destroy_process_group()
     return dict(
         rank=first.rank,
         world=first.world_size,
         local=first.local_rank,
         device=str(first.device),
-        torn_down=not dist.is_initialized(),
+        kept=kept,
     )
 
 
 def test_init_distributed_reads_the_torchrun_environment():
     infos = run_distributed(_init_from_torchrun_env, 3, init_process_group=False, timeout=60)
     for rank, info in enumerate(infos):
-        assert info == dict(rank=rank, world=3, local=rank, device="cpu", torn_down=True)
+        assert info == dict(rank=rank, world=3, local=rank, device="cpu", kept=True)
 
 
 def _group_created_by_the_user_is_left_alone() -> bool:

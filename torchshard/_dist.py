@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 import time
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _exit
 from ._errors import DeviceError, TorchShardError
 from ._log import get_logger
 
@@ -27,10 +27,6 @@ __all__ = [
 ]
 
 logger = get_logger(__name__)
-
-# Whether init_distributed() created the default process group (then torchshard
-# also tears it down: at trainer.close() or at interpreter exit).
-_owns_default_group = False
 
 
 @dataclass(frozen=True)
@@ -157,7 +153,6 @@ def init_distributed(
         info = torchshard.init_distributed()   # under `torchrun --nproc-per-node 2 train.py`
         print(info.rank, info.world_size, info.device)
     """
-    global _owns_default_group
     local_rank = _env_int("LOCAL_RANK", 0)
     creating = not dist.is_initialized()
     if creating:
@@ -207,8 +202,7 @@ def init_distributed(
             dist.init_process_group(backend, **kwargs)
         else:  # a world of one, no rendezvous needed
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-        _owns_default_group = True
-        atexit.register(_destroy_at_exit)
+        _exit.own_default_group()  # destroyed at interpreter exit, once every rank is done
         logger.debug("initialized %s process group", backend)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
@@ -228,21 +222,6 @@ def _attempt_store(timeout: timedelta | None) -> dist.Store:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     world = _env_int("WORLD_SIZE", 1)
     return dist.PrefixStore(f"torchshard/attempt-{attempt}/world-{world}/", store)
-
-
-def destroy_owned_group() -> None:
-    """Destroy the default process group if :func:`init_distributed` created it."""
-    global _owns_default_group
-    if _owns_default_group and dist.is_initialized():
-        dist.destroy_process_group()
-    _owns_default_group = False
-
-
-def _destroy_at_exit() -> None:
-    try:
-        destroy_owned_group()
-    except Exception:  # at exit, never mask the real error with a teardown one
-        logger.debug("process group teardown at exit failed", exc_info=True)
 
 
 def exchange_bytes(
@@ -371,8 +350,39 @@ class Coordinator:
         for k in keys:
             store.delete_key(k)
 
+    def leave(self, timeout: float) -> list[int]:
+        """Say that this rank is done and wait until every rank of the group has said so
+        (at most ``timeout`` seconds), then stop beating. Through the store, not a
+        collective: a rank on an error path would never match one. Returns the ranks that
+        did not arrive in time (empty when all did).
+
+        The waiting polls (1 ms, backing off to 50 ms) with the GIL released, which is
+        also what gloo's threads need to finish their bookkeeping (see ``_exit``)."""
+        missing: list[int] = []
+        try:
+            store = self.store
+            store.set(self.key("done", self.rank), b"1")
+            count, start, pause = store.add(self.key("done"), 1), time.monotonic(), 0.001
+            while count < self.world_size:
+                if time.monotonic() - start >= timeout:
+                    missing = [
+                        r for r in range(self.world_size) if not store.check([self.key("done", r)])
+                    ]
+                    break
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+                count = store.add(self.key("done"), 0)
+        except Exception:  # the store's host left: it does so only once everyone arrived
+            logger.debug("rank %d: the store went away while leaving", self.rank, exc_info=True)
+        self.close()
+        return missing
+
     def close(self) -> None:
+        """Stop the heartbeat and wait for its thread (a daemon thread left inside a store
+        call when the interpreter finalizes aborts the process)."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(5.0, 2 * self.interval))
 
     def __del__(self) -> None:
         self._stop.set()

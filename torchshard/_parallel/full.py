@@ -68,6 +68,7 @@ class FullyShard(Mode):
     owns_buffers = True
     whole_weights = False
     label = "full"
+    reduces_by = "unit"
 
     def __init__(
         self,
@@ -185,7 +186,7 @@ class FullyShard(Mode):
             dist.get_global_rank(group, r) if group is not None else r for r in range(self.world)
         ]
         self.gather_group = self.rs_group = group
-        self.own_groups = False
+        self.made_groups = False
         if self.world == 1:
             return
         backend = dist.get_backend(group)
@@ -201,7 +202,7 @@ class FullyShard(Mode):
         ranks = self.global_ranks
         self.gather_group = dist.new_group(ranks, backend=backend, use_local_synchronization=local)
         self.rs_group = dist.new_group(ranks, backend=backend, use_local_synchronization=local)
-        self.own_groups = True
+        self.made_groups = True
 
     @torch.no_grad()
     def _fill(
@@ -720,6 +721,9 @@ class FullyShard(Mode):
     # -- order check -------------------------------------------------------------------------------
     def _log(self, kind: str, u: int) -> None:
         self._order[kind].update(f"{u};".encode())
+
+    def own_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        return (self.rs_group, self.gather_group) if self.made_groups else ()
 
     def order_digest(self) -> str:
         """A digest of the collectives issued so far, in order, on each of the mode's three

@@ -90,6 +90,8 @@ class Mode:
     """Every rank holds every weight (``broadcast`` and ``all_reduce_parameters`` apply)."""
     label: str = ""
     """What ``trainer.shard`` reports when it is not a plain bool."""
+    reduces_by: str = "bucket"
+    """What one reduction covers, for the log: ``stats.buckets`` counts these."""
     bytes_gathered: int = 0
     """Bytes of weights all-gathered so far (at the full buffer's size)."""
     divides_first: bool = False
@@ -114,6 +116,10 @@ class Mode:
     def own_reducer(self) -> Any:
         """The reducer the trainer uses instead of the bucket reducer (``None``: that one)."""
         return None
+
+    def own_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """Process groups the mode created, destroyed in this order when the trainer closes."""
+        return ()
 
     def gathered(self) -> contextlib.AbstractContextManager[None]:
         """Every weight materialized inside the block (already so unless a mode frees them)."""

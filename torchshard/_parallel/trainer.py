@@ -9,7 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._dist import Coordinator, destroy_owned_group, exchange_bytes, init_distributed
+from .. import _exit
+from .._dist import Coordinator, exchange_bytes, init_distributed
 from .._errors import RankMismatchError, TorchShardError
 from .._flat.geometry import Geometry
 from .._flat.module import FlatParamModule
@@ -128,6 +129,7 @@ class DistributedTrainer:
         self._geometry = Geometry.of(layout, self.world_size, pad=self._mode.pads)
         self.padded_numel = self._geometry.total
         self._closed = False
+        _exit.track(self)  # closed at interpreter exit if nobody closes it before
         if self._mode.owns_buffers:
             # the model (and the units) are checked before the first collective that
             # depends on them
@@ -182,12 +184,13 @@ class DistributedTrainer:
         self._reducer = self._mode.own_reducer() or Reducer(self._ctx, self._mode, self._buckets)
         self.stats = self._reducer.stats
         logger.info(
-            "DistributedTrainer: rank %d of %d on %s, %d parameters in %d bucket(s)",
+            "DistributedTrainer: rank %d of %d on %s, %d parameters in %d %s(s)",
             self.rank,
             self.world_size,
             self.device,
             layout.param_numel,
             self.stats.buckets,
+            self._mode.reduces_by,
         )
 
     @property
@@ -500,26 +503,64 @@ class DistributedTrainer:
 
     # -- teardown ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Remove the hooks, wait for communication in flight, and tear down the process
-        group if torchshard initialized it. Idempotent."""
+        """Finish communication in flight, wait until every rank of the group has closed
+        too, then stop the heartbeat and destroy the groups the trainer created.
+        Idempotent; every rank calls it (the exit hook does, for a trainer never closed).
+
+        A rank that waited :data:`torchshard._exit.EXIT_TIMEOUT` seconds (60) for the
+        others leaves anyway, with a warning naming them. The default process group, if
+        :func:`init_distributed` created it, stays until interpreter exit (or your own
+        ``dist.destroy_process_group()``, which works after ``close()``).
+
+        Example::
+
+            trainer.close()
+            dist.destroy_process_group()   # optional: torchshard does it at exit
+        """
+        self._close(failed=False)
+
+    def _close(self, *, failed: bool) -> None:
+        """``failed``: leaving on an exception (which a peer may not share): skip the waits
+        and the agreement, which could hang on peers stuck in a collective; only stop the
+        threads."""
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        for part in (getattr(self, "_coordinator", None), getattr(self, "_reducer", None)):
-            if part is not None:  # None too when construction failed half-way
-                part.close()
+        _exit.untrack(self)
+        coordinator = getattr(self, "_coordinator", None)  # None too when construction
+        reducer = getattr(self, "_reducer", None)  # failed half-way
+        if failed:
+            self.module._set_grad_listener(None)
+            if coordinator is not None:
+                coordinator.close()
+            return
+        if reducer is not None:
+            reducer.close()  # hooks off, collectives in flight waited for
         device = getattr(self, "device", None)
         if device is not None and device.type == "cuda":
             # work.wait() on NCCL only orders streams: let collectives in flight finish
             # before the group that runs them can be destroyed
             torch.cuda.current_stream(device).synchronize()
-        destroy_owned_group()
+        if coordinator is not None:
+            late = coordinator.leave(_exit.EXIT_TIMEOUT)
+            if late:
+                logger.warning(
+                    "close(): rank %d waited %.0f s for ranks %s to close too; leaving without "
+                    "them (a rank that never calls close() and never exits?)",
+                    self.rank,
+                    _exit.EXIT_TIMEOUT,
+                    late,
+                )
+        mode = getattr(self, "_mode", None)
+        for group in mode.own_groups() if mode is not None else ():
+            _exit.destroy_group(group)
+        _exit.drain()
 
     def __enter__(self) -> DistributedTrainer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self._close(failed=exc_type is not None)
 
     def _check_open(self) -> None:
         if self._closed:
