@@ -96,6 +96,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the tra
     "checkpoint._load": {
         "_errors",
         "_flat.layout",
+        "_log",
         "checkpoint._format",
         "checkpoint._metadata",
         "checkpoint._optim",

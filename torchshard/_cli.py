@@ -8,12 +8,13 @@ import importlib
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
 from . import __version__
-from ._errors import ArgumentError, TorchShardError
+from ._errors import ArgumentError, CheckpointError, TorchShardError
 from ._estimate import (
     DTYPES,
     OPTIMIZERS,
@@ -28,7 +29,7 @@ from ._estimate import (
 )
 from ._flat.layout import FlatLayout
 from ._parallel.units import resolve_units
-from .checkpoint._inspect import inspect_checkpoint
+from .checkpoint._inspect import inspect_checkpoint, latest_under, newest_verified
 from .checkpoint._tools import Progress, consolidate, reshard
 
 
@@ -209,10 +210,57 @@ def _value(v: Any) -> str:
     return json.dumps(v, separators=(",", ":")) if isinstance(v, (list, dict)) else str(v)
 
 
+def _fallback_lines(root: str, good: Path | None, bad: list[tuple[Path, str]]) -> list[str]:
+    """The report's lines on the checkpoints under ``root`` older than its bad latest one."""
+    lines = [f"also bad     {path}: {why}" for path, why in bad]
+    if good is None:
+        lines.append(f"newest good  none: no complete checkpoint under {root} verifies")
+    else:
+        lines.append(f"newest good  {good}: the newest checkpoint under {root} that verifies")
+    return lines
+
+
+def _fallback_json(good: Path | None, bad: list[tuple[Path, str]]) -> dict[str, Any]:
+    return {
+        "newest_verified": None if good is None else str(good),
+        "not_verified": [{"path": str(p), "problem": why} for p, why in bad],
+    }
+
+
+def _fallback_error(root: str, good: Path | None) -> str:
+    if good is None:
+        return f"; no complete checkpoint under {root} verifies"
+    return f"; the newest checkpoint under {root} that verifies is {good}"
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    report = inspect_checkpoint(args.path, progress=_StderrProgress())
+    progress = _StderrProgress()
+    latest = latest_under(args.path)  # (step, path) when PATH is a root holding one
+    try:
+        report = inspect_checkpoint(args.path, progress=progress)
+    except CheckpointError as e:
+        if latest is None:
+            raise
+        # the latest checkpoint's metadata.json fails: say so, and which older one verifies
+        step, path = latest
+        good, bad = newest_verified(args.path, step, progress=progress)
+        if args.json:
+            out = {"path": str(path), "ok": False, "problems": [str(e)]}
+            print(json.dumps({**out, **_fallback_json(good, bad)}, indent=1))
+        else:
+            print(f"checkpoint   {path}  (latest complete under {args.path})")
+            print(f"BAD          {e}")
+            print("\n".join(_fallback_lines(args.path, good, bad)))
+        print(f"torchshard: error: {e}{_fallback_error(args.path, good)}", file=sys.stderr)
+        return 1
+    fallback = None
+    if not report.ok and latest is not None:
+        fallback = newest_verified(args.path, report.step, progress=progress)
     if args.json:
-        print(json.dumps(report.to_dict(), indent=1))
+        out = report.to_dict()
+        if fallback is not None:
+            out.update(_fallback_json(*fallback))
+        print(json.dumps(out, indent=1))
     else:
         r = report
         where = (
@@ -263,9 +311,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             print(f"{len(r.problems)} problem(s):")
             for p in r.problems:
                 print(f"  {p}")
+        if fallback is not None:
+            print("\n".join(_fallback_lines(args.path, *fallback)))
     if not report.ok:
         more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
-        print(f"torchshard: error: {report.problems[0]}{more}", file=sys.stderr)
+        then = "" if fallback is None else _fallback_error(args.path, fallback[0])
+        print(f"torchshard: error: {report.problems[0]}{more}{then}", file=sys.stderr)
         return 1
     return 0
 
@@ -380,8 +431,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="describe a checkpoint and verify every file and checksum",
         description="Print what a checkpoint holds and verify metadata.json's checksum and "
         "values, every file's size and every chunk's checksum, and the index transformers reads "
-        "against metadata.json. Exit status 0 when all is well (a format-1 checkpoint, which "
-        "has no metadata checksum, gets a warning), 1 when anything is wrong.",
+        "against metadata.json. For a root whose latest checkpoint fails, the report also names "
+        "the newest checkpoint under it that verifies (older ones are verified in turn, newest "
+        "first). Exit status: 0 when all is well (a format-1 checkpoint, which has no metadata "
+        "checksum, gets a warning); 1 when the checkpoint (of a root, its latest, even if an "
+        "older one verifies) is damaged, incomplete or unreadable, or the root holds no "
+        "complete checkpoint; 2 when the command line is wrong, or PATH does not exist or is "
+        "not a directory; 130 when interrupted.",
     )
     p.add_argument("path", metavar="PATH", help=ckpt_help)
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -23,7 +23,13 @@ from ._metadata import Metadata, OptimMeta, read_metadata
 from ._safetensors import FileRecord, SafetensorsReader
 from ._tools import Progress, existing
 
-__all__ = ["CheckpointReport", "FileStatus", "inspect_checkpoint"]
+__all__ = [
+    "CheckpointReport",
+    "FileStatus",
+    "inspect_checkpoint",
+    "latest_under",
+    "newest_verified",
+]
 
 
 @dataclass(frozen=True)
@@ -292,3 +298,40 @@ def inspect_checkpoint(
         progress.close()
     report.problems = problems + _index_problems(meta, nbytes)
     return report
+
+
+def latest_under(path: str | os.PathLike[str]) -> tuple[int, Path] | None:
+    """``(step, path)`` of the latest complete checkpoint under the root ``path``; ``None``
+    when ``path`` is a checkpoint directory itself, or no directory, or holds none."""
+    p = Path(path)
+    if (p / METADATA).is_file() or not p.is_dir():
+        return None
+    found = complete_checkpoints(p)
+    return found[-1] if found else None
+
+
+def newest_verified(
+    root: str | os.PathLike[str], below: int, *, progress: Progress | None = None
+) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint under ``root`` before step ``below`` that verifies (as
+    :func:`inspect_checkpoint` verifies it: every byte), or ``None``; and ``(path, first
+    problem)`` of each newer one before it that does not, newest first.
+
+    Example::
+
+        step, latest = latest_under("runs/gpt")
+        good, bad = newest_verified("runs/gpt", below=step)
+    """
+    bad: list[tuple[Path, str]] = []
+    for step, path in reversed(complete_checkpoints(Path(root))):
+        if step >= below:
+            continue
+        try:
+            report = inspect_checkpoint(path, progress=progress)
+        except CheckpointError as e:
+            bad.append((path, str(e)))
+            continue
+        if report.ok:
+            return path, bad
+        bad.append((path, report.problems[0]))
+    return None, bad

@@ -6,10 +6,16 @@ verifying checksums. Only when every rank has read its part without error
 does anything change: each rank copies its range into place and the ranges
 are broadcast, so every rank ends with the whole buffer. A fully sharded rank
 reads its stripes instead, and keeps them: nothing is broadcast.
+
+With ``fallback=True`` a root's complete checkpoints are tried newest first:
+one that every rank refused before anything changed is skipped for the next
+older one, in lockstep on every rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -19,7 +25,8 @@ import torch.distributed as dist
 
 from .._errors import CheckpointError
 from .._flat.layout import dtype_from_name
-from ._format import METADATA, resolve
+from .._log import get_logger
+from ._format import METADATA, complete_checkpoints, resolve
 from ._metadata import Metadata, Readers, read_metadata
 from ._optim import MASTER, OptimizerView, group_problem, restore_group_values
 from ._plan import overlap, state_ranges
@@ -27,6 +34,17 @@ from ._rules import OPTIMIZER_RULES
 from ._target import Checkpointable, CheckpointInfo, Target
 
 __all__ = ["load"]
+
+logger = get_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refusal:
+    """The ranks agreed that one of them failed, before anything changed: a fallback may try
+    another checkpoint. ``message``: this rank's error; ``reason``: the same on every rank."""
+
+    message: str
+    reason: str
 
 
 def _check_compatible(meta: Metadata, t: Target, optimizer: torch.optim.Optimizer | None) -> None:
@@ -138,20 +156,21 @@ def _read_share(
     return {"range": (s, e), "weights": weights, "buffers": buffers, "optim": state}
 
 
-def _agree(t: Target, error: str | None, path: Path) -> None:
-    """Raise on every rank if any rank failed (or they resolved different checkpoints)."""
+def _agree(t: Target, error: str | None, path: Path) -> _Refusal | None:
+    """Whether any rank failed (the same answer on every rank); raise on every rank if they
+    resolved different checkpoints."""
     if t.world == 1:
-        if error:
-            raise CheckpointError(error)
-        return
+        return _Refusal(error, error) if error else None
     mine = f"{path}\0{error or ''}".encode()
     replies = [r.decode().split("\0", 1) for r in t.exchange(mine)]
     for r, (_, err) in enumerate(replies):
         if err:
-            raise CheckpointError(err if r == t.rank else f"rank {r} failed to load: {err}")
+            message = err if r == t.rank else f"rank {r} failed to load: {err}"
+            return _Refusal(message, f"rank {r}: {err}")
     paths = sorted({p for p, _ in replies})
     if len(paths) > 1:
         raise CheckpointError(f"ranks resolved different checkpoints: {paths}; pass one directory")
+    return None
 
 
 @torch.no_grad()
@@ -243,29 +262,39 @@ def _apply(
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def load(
-    path_or_root: str | os.PathLike[str],
-    trainer: Checkpointable,
-    *,
-    optimizer: torch.optim.Optimizer | None = None,
-) -> CheckpointInfo:
-    """Load a checkpoint into ``trainer`` (and ``optimizer``), at any world size.
+def _candidates(given: Path, t: Target) -> tuple[bool, list[Path]]:
+    """Whether ``given`` is one checkpoint (else a root), and the checkpoints to try, newest
+    first: the same on every rank, or :class:`CheckpointError` on every rank (one exchange)."""
+    single = (given / METADATA).is_file() or not given.is_dir()
+    try:
+        paths = [given] if single else [p for _, p in reversed(complete_checkpoints(given))]
+    except OSError:  # unlistable: loading it as one path raises (on every rank) why
+        single, paths = True, [given]
+    if t.world == 1:
+        return single, paths
+    try:
+        replies = t.exchange(json.dumps([single, [str(p) for p in paths]]).encode())
+    except Exception as e:  # a peer that died, a broken process group
+        raise CheckpointError(
+            f"{given}: the ranks could not agree which checkpoints to try "
+            f"({type(e).__name__}: {e}); nothing was changed"
+        ) from e
+    differ = next((r for r, reply in enumerate(replies) if reply != replies[0]), None)
+    if differ is not None:
+        raise CheckpointError(
+            f"{given}: expected every rank to see the same checkpoints, got rank 0: "
+            f"{replies[0].decode()}, rank {differ}: {replies[differ].decode()}; pass the same "
+            "path on every rank, and load while no save writes under it"
+        )
+    return single, paths
 
-    ``path_or_root`` is a checkpoint directory or a root (then its latest
-    complete checkpoint). Every rank calls it. Each rank reads only its
-    share of the files (with ``shard="full"``, its stripes: nothing is
-    broadcast), verified against their checksums; if any rank fails,
-    every rank raises :class:`CheckpointError` and nothing has changed. The
-    optimizer's hyperparameters are restored as ``optimizer.load_state_dict``
-    restores them.
 
-    Example::
-
-        info = torchshard.checkpoint.load("ckpt", trainer, optimizer=opt)
-        start_step = info.step + 1
-    """
-    t = Target(trainer)
-    error, share, path = None, None, Path(path_or_root)
+def _load_one(
+    given: Path, t: Target, optimizer: torch.optim.Optimizer | None
+) -> CheckpointInfo | _Refusal:
+    """Load the checkpoint ``given`` (or the latest under it), or say why every rank refused
+    it, having changed nothing: see :func:`load`."""
+    error, share, path = None, None, given
     readers = None
     try:
         path = resolve(path)
@@ -283,7 +312,7 @@ def load(
         if readers is not None:
             readers.close()
     try:
-        _agree(t, error, path)
+        refusal = _agree(t, error, path)
     except CheckpointError:
         raise
     except Exception as e:  # a peer that died, a broken process group
@@ -291,6 +320,8 @@ def load(
             f"{path}: the ranks could not agree that every rank read its share "
             f"({type(e).__name__}: {e}); nothing was changed"
         ) from e
+    if refusal is not None:
+        return refusal
     assert share is not None
     try:
         _apply(meta, t, share, optimizer)
@@ -303,3 +334,60 @@ def load(
             "load again, and please report this"
         ) from e
     return CheckpointInfo(meta.step, meta.extra, path, readers.bytes_read if readers else 0)
+
+
+def load(
+    path_or_root: str | os.PathLike[str],
+    trainer: Checkpointable,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    fallback: bool = False,
+) -> CheckpointInfo:
+    """Load a checkpoint into ``trainer`` (and ``optimizer``), at any world size.
+
+    ``path_or_root`` is a checkpoint directory or a root (then its latest
+    complete checkpoint). Every rank calls it. Each rank reads only its
+    share of the files (with ``shard="full"``, its stripes: nothing is
+    broadcast), verified against their checksums; if any rank fails,
+    every rank raises :class:`CheckpointError` and nothing has changed. The
+    optimizer's hyperparameters are restored as ``optimizer.load_state_dict``
+    restores them.
+
+    With ``fallback=True`` and a root, a checkpoint that fails so (a damaged
+    or missing file, or one that does not fit the model or optimizer) is
+    skipped, with a warning on rank 0, and the next older complete one is
+    tried; ``info.skipped`` names each skipped one and why, the same on every
+    rank. If none loads, :class:`CheckpointError` names each one tried. Only
+    the bytes a load reads are verified (``torchshard inspect`` reads them
+    all); a failure once the state is being applied is never skipped. A
+    ``path_or_root`` that is one checkpoint directory is loaded or refused
+    as without ``fallback``.
+
+    Example::
+
+        info = torchshard.checkpoint.load("ckpt", trainer, optimizer=opt, fallback=True)
+        start_step = info.step + 1
+    """
+    t = Target(trainer)
+    given = Path(path_or_root)
+    single, paths = _candidates(given, t) if fallback else (True, [given])
+    if single or not paths:  # one checkpoint, or none to try: loaded, or its error as it is
+        got = _load_one(given, t, optimizer)
+        if isinstance(got, _Refusal):
+            raise CheckpointError(got.message)
+        return got
+    skipped: list[tuple[Path, str]] = []
+    for i, path in enumerate(paths):
+        got = _load_one(path, t, optimizer)
+        if isinstance(got, CheckpointInfo):
+            return dataclasses.replace(got, skipped=tuple(skipped))
+        skipped.append((path, got.reason))  # every rank refused it, and nothing changed
+        if t.rank == 0:  # warnings pass on every rank; the ranks agree on this one
+            then = f"trying {paths[i + 1]}" if i + 1 < len(paths) else "none older to try"
+            logger.warning("checkpoint %s skipped: %s; %s", path, got.reason, then)
+    tried = "; ".join(f"{p} ({why})" for p, why in skipped)
+    raise CheckpointError(
+        f"{given}: expected a complete checkpoint that loads, got {len(skipped)} that failed, "
+        f"newest first: {tried}; restore one from a copy (`torchshard inspect` names every "
+        "damaged file), or build the model and optimizer as they were saved"
+    )

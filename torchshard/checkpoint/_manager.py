@@ -33,8 +33,8 @@ class Checkpointer:
     Example::
 
         ckpt = torchshard.checkpoint.Checkpointer("runs/gpt", keep_last=2)
-        if ckpt.latest() is not None:
-            start = ckpt.load(trainer, optimizer=opt).step
+        if ckpt.latest() is not None:   # skips a damaged latest for the newest that loads
+            start = ckpt.load(trainer, optimizer=opt, fallback=True).step
         for step in range(start, steps):
             ...
             if step % 100 == 0:
@@ -89,10 +89,18 @@ class Checkpointer:
         *,
         optimizer: torch.optim.Optimizer | None = None,
         path: str | os.PathLike[str] | None = None,
+        fallback: bool = False,
     ) -> CheckpointInfo:
-        """Load ``path`` or the latest complete checkpoint (see :func:`load`)."""
+        """Load ``path`` or the latest complete checkpoint (see :func:`load`).
+
+        With ``fallback=True``, a checkpoint under the root (or under ``path``, if that is
+        a root) that every rank refuses, having changed nothing, is skipped for the next
+        older one (``info.skipped`` says which and why). A ``path`` that is one checkpoint
+        directory is loaded, or refused, as it is.
+        """
         self._writer.settle()
-        return load(self.root if path is None else path, trainer, optimizer=optimizer)
+        where = self.root if path is None else path
+        return load(where, trainer, optimizer=optimizer, fallback=fallback)
 
     @property
     def pinned_bytes(self) -> int:

@@ -29,13 +29,16 @@ Checkpointable = TrainState | FlatParamModule
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What :func:`load` restored: the ``step``, the user's ``extra`` dict, the directory.
+    """What :func:`load` restored: the ``step``, the user's ``extra`` dict, the directory,
+    and the newer checkpoints a load with ``fallback=True`` skipped.
 
     Example::
 
-        info = torchshard.checkpoint.load("runs/gpt", trainer, optimizer=opt)
+        info = torchshard.checkpoint.load("runs/gpt", trainer, optimizer=opt, fallback=True)
         start = info.step
         sampler.load_state_dict(info.extra["data"])
+        for path, why in info.skipped:
+            print(f"skipped {path}: {why}")
     """
 
     step: int
@@ -43,6 +46,9 @@ class CheckpointInfo:
     path: Path
     bytes_read: int = 0
     """Bytes this rank read from the checkpoint's files."""
+    skipped: tuple[tuple[Path, str], ...] = ()
+    """``(path, why)`` of each checkpoint a load with ``fallback=True`` skipped, newest first;
+    the same on every rank."""
 
 
 class Target:
