@@ -13,8 +13,8 @@ checks the results against the code (``summary.py --stale``). Prints its wall ti
 
 The tables name the commit the results come from, so by default this refuses to run with
 uncommitted changes under torchshard/, examples/ or benchmarks/ (``--allow-dirty`` runs
-anyway; the results then record the changed files and tests/test_benchmarks_summary.py
-holds them stale). ``--quick`` and ``--results DIR`` (other than benchmarks/results) leave
+anyway; the results then record the changed files and ``summary.py --stale``, which
+.ci/run runs, holds them stale). ``--quick`` and ``--results DIR`` (other than benchmarks/results) leave
 the README tables alone and print the table instead.
 """
 

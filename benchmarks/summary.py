@@ -25,7 +25,7 @@ and ``<!-- benchmark-table:end -->`` of each file with the table; ``--check`` ex
 (naming the file) where that text differs from what ``--write`` would put there.
 Either exits 2, naming the file, if a file lacks the markers.
 
-``--stale`` (and tests/test_benchmarks_summary.py) holds each result against the code it
+``--stale`` (a step of .ci/run, after the tests: it needs the history) holds each result against the code it
 measured: the result's ``machine.git_commit`` must be an ancestor of HEAD,
 ``git log <commit>..HEAD -- <paths it measures>`` (:data:`MEASURES`) must be empty and
 the tree must have been clean there when it ran (``machine.git_dirty``). Where git

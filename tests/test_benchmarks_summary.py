@@ -59,13 +59,6 @@ def test_every_row_is_measured_from_the_results() -> None:
         assert summary.measured(row, results)[0] != summary.NOT_MEASURED, row.what
 
 
-def test_results_are_not_older_than_the_code_they_measure() -> None:
-    # Each result's machine.git_commit against `git log <commit>..HEAD -- <what it measures>`;
-    # where git cannot tell (no git, a shallow clone without the commit) this fails too.
-    problems = summary.stale(summary.load_results(summary.RESULTS))
-    assert not problems, "\n".join(problems)
-
-
 def test_every_measured_path_exists() -> None:
     # A misspelt path would make `git log -- <path>` empty forever: never stale.
     for name, paths in summary.MEASURES.items():
