@@ -150,6 +150,17 @@ def test_mixed_dtypes_name_the_parameters():
     assert FlatLayout.from_module(model, dtype=torch.float32).dtype == "float32"
 
 
+def test_mixed_dtypes_say_how_many_names_were_cut():
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(4)), nn.Linear(2, 2).half())
+    with pytest.raises(LayoutError) as e:
+        FlatLayout.from_module(model)
+    # 8 float32 parameters, 3 shown; the 2 float16 ones all shown, nothing said cut
+    assert "(float16: 4.weight, 4.bias; float32: 0.weight, 0.bias, 1.weight and 5 more)" in str(
+        e.value
+    )
+
+
 def test_module_without_parameters():
     with pytest.raises(LayoutError, match="ReLU has no parameters"):
         FlatLayout.from_module(nn.ReLU())

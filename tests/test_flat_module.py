@@ -369,6 +369,69 @@ def test_load_state_dict_into_an_unbound_meta_model_is_refused():
         fm.load_state_dict(nn.Linear(2, 2).state_dict())
 
 
+# -- names ------------------------------------------------------------------------------------
+def names(pairs) -> list[str]:
+    return [n for n, _ in pairs]
+
+
+@pytest.mark.parametrize("remove_duplicate", [True, False])
+def test_names_are_the_models_under_module_and_its_own_through_fm_module(remove_duplicate):
+    plain, fm = gpt(0), wrapped(gpt(0))  # lm_head.weight is tied to wte.weight
+    kw = {"remove_duplicate": remove_duplicate}
+    for walk in ("named_parameters", "named_buffers", "named_modules"):
+        want = names(getattr(plain, walk)(**kw))
+        assert names(getattr(fm.module, walk)(**kw)) == want, walk
+        under = names(getattr(fm, walk)(**kw))
+        assert under == (["", "module"] if walk == "named_modules" else []) + [
+            f"module.{n}" for n in want if n
+        ], walk
+        prefixed = names(getattr(fm, walk)(prefix="p", **kw))
+        assert prefixed == [f"p.{n}" if n else "p" for n in under], walk
+    # nn.Module's names are attribute paths: torch resolves them through the wrapper
+    for name, p in fm.named_parameters(**kw):
+        assert fm.get_parameter(name) is p
+    # the model's own names are the state dict's keys (no buffers in this model)
+    assert names(fm.module.named_parameters(remove_duplicate=False)) == list(fm.state_dict())
+
+
+class Holder(nn.Module):
+    def __init__(self, fm: FlatParamModule) -> None:
+        super().__init__()
+        self.fm = fm
+        self.other = nn.Linear(2, 2)
+
+
+def test_a_parent_saves_and_loads_fm_under_the_models_keys():
+    fm = wrapped(gpt(2))
+    parent = Holder(fm)
+    ref = Holder(gpt(1))  # the plain model where fm is
+    keys = list(parent.state_dict())
+    assert keys == list(ref.state_dict())
+    assert "fm.wte.weight" in keys and "fm.lm_head.weight" in keys
+    ptrs = [p.data_ptr() for p in fm.parameters()]
+    parent.load_state_dict(ref.state_dict())
+    assert [p.data_ptr() for p in fm.parameters()] == ptrs  # copied into the views
+    fm.check_views()
+    for p, q in zip(fm.module.parameters(), ref.fm.parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(RuntimeError, match=r'Unexpected key.*"fm\.bogus"'):
+        parent.load_state_dict({**ref.state_dict(), "fm.bogus": torch.zeros(1)})
+    with pytest.raises(TorchShardError, match="assign=True"):
+        parent.load_state_dict(ref.state_dict(), assign=True)
+    fm.check_views()
+
+
+def test_torch_compile_wrapper_round_trips_the_state_dict():
+    fm = wrapped(gpt(2))
+    compiled = torch.compile(fm)  # nothing compiles until a forward
+    sd = compiled.state_dict()
+    assert list(sd) == [f"_orig_mod.{k}" for k in gpt(1).state_dict()]
+    sd = {k: torch.zeros_like(v) for k, v in sd.items()}
+    compiled.load_state_dict(sd)
+    assert not fm.flat_param[: fm.layout.param_numel].any()
+    fm.check_views()
+
+
 # -- errors ----------------------------------------------------------------------------------
 def bind_error(fm: FlatParamModule, flat, grad=None) -> str:
     with pytest.raises(BindError) as e:

@@ -281,6 +281,16 @@ def test_zero_table_1_optimizer_sharding():
     assert math.isclose(bf16.total / GB, 60, rel_tol=1e-6)
 
 
+def test_unknown_unit_names_are_all_counted():
+    with torch.device("meta"):
+        model = gpt()
+    layout = FlatLayout.from_module(model)
+    names = [f"blocks.{i}" for i in range(7, 12)]
+    with pytest.raises(TorchShardError) as e:
+        resolve_units(model, layout, ["blocks.0", *names])
+    assert "no module named 'blocks.10', 'blocks.11', 'blocks.7' and 2 more;" in str(e.value)
+
+
 def test_rank_memory_stays_positional():
     """The four persistent fields keep their positions; ``transient`` defaults to 0."""
     r = RankMemory(0, 1, 2, 3, 4)

@@ -19,7 +19,7 @@ FLAT = {  # the buffer: imports nothing from parallelism or checkpointing
     "_flat.geometry": {"_errors", "_flat.layout"},
     "_flat.hf": {"_log"},
     "_flat.views": {"_flat.layout", "_log"},
-    "_flat.module": {"_errors", "_flat.hf", "_flat.layout", "_flat.views", "_log"},
+    "_flat.module": {"_errors", "_flat.hf", "_flat.layout", "_flat.views", "_log", "_stepped"},
 }
 PARALLEL = {  # data parallelism: the trainer core, one file per mode, the protocol
     "_parallel.buckets": {"_flat.layout"},
@@ -64,6 +64,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_parallel.setup",
         "_parallel.sharded",
         "_parallel.units",
+        "_stepped",
     },
 }
 CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the trainer class
@@ -143,7 +144,9 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the tra
 ROOT = {  # shared ground floor, and the tools above the wings
     "_errors": set(),
     "_log": set(),
-    "_dist": {"_errors", "_log"},
+    "_stepped": {"_errors"},  # which optimizers stepped: the flat module and the trainer
+    "_exit": {"_log"},  # a clean exit: close every trainer, then the default group
+    "_dist": {"_errors", "_exit", "_log"},
     "data": {"_errors"},
     "_estimate": {
         "_errors",

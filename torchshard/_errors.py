@@ -1,6 +1,11 @@
-"""The exceptions torchshard raises. Every one is a :class:`TorchShardError`."""
+"""The exceptions torchshard raises. Every one is a :class:`TorchShardError`.
+
+Also :func:`and_more`, how their messages list things.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 __all__ = [
     "ArgumentError",
@@ -11,6 +16,7 @@ __all__ = [
     "LayoutError",
     "RankMismatchError",
     "TorchShardError",
+    "and_more",
 ]
 
 
@@ -51,3 +57,10 @@ class DataError(TorchShardError, ValueError):
 
 class ArgumentError(TorchShardError, ValueError):
     """A bad argument to a checkpoint tool: a missing path, a bad world size or output."""
+
+
+def and_more(items: Sequence[object], limit: int = 3) -> str:
+    """``items`` for a message: the first ``limit``, and how many were cut (``"a, b, c and 5
+    more"``), so that a message never shows part of a list as if it were all of it."""
+    shown = ", ".join(str(i) for i in items[:limit])
+    return shown if len(items) <= limit else f"{shown} and {len(items) - limit} more"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._errors import LayoutError
+from .._errors import LayoutError, and_more
 
 __all__ = ["FlatLayout", "ParamSlot", "dtype_from_name", "dtype_name"]
 
@@ -113,10 +113,10 @@ class FlatLayout:
             dtypes = {p.dtype for p in params}
             if len(dtypes) > 1:
                 groups = {
-                    dtype_name(d): [by_id[id(p)][0] for p in params if p.dtype == d][:3]
+                    dtype_name(d): [by_id[id(p)][0] for p in params if p.dtype == d]
                     for d in sorted(dtypes, key=str)
                 }
-                described = "; ".join(f"{d}: {', '.join(n)}" for d, n in groups.items())
+                described = "; ".join(f"{d}: {and_more(n)}" for d, n in groups.items())
                 raise LayoutError(
                     f"parameters: expected one dtype, got {len(dtypes)} ({described}); "
                     "pass dtype= to cast them all to one"

@@ -11,6 +11,7 @@ from torch import nn
 
 from .._errors import BindError, TorchShardError
 from .._log import get_logger
+from .._stepped import watch as watch_optimizers
 from .hf import (
     clear_init_flags,
     init_transformers_model,
@@ -37,6 +38,18 @@ class FlatParamModule(nn.Module):
         module: the model; its parameters may live on meta, CPU or CUDA.
         dtype: cast every parameter to this dtype (default: their common dtype).
         align_bytes: every parameter's offset is a multiple of this many bytes.
+
+    Names: :meth:`state_dict` and :meth:`load_state_dict` use the wrapped model's own
+    keys (``"0.weight"``), also when a parent module or ``torch.compile(fm)`` saves and
+    loads ``fm`` (``"fm.0.weight"``). ``named_parameters()``, ``named_buffers()`` and
+    ``named_modules()`` are nn.Module's: they name through the wrapper
+    (``"module.0.weight"``), since their names are attribute paths that torch resolves
+    with ``getattr`` through the submodules (``fm.get_parameter(name)``,
+    ``torch.func.functional_call(fm, dict(fm.named_parameters()), x)``,
+    ``torch.export``), and there the model is ``fm.module``: without the prefix those
+    break. ``fm.module.named_parameters()`` (and ``named_buffers()``,
+    ``named_modules()``) give the plain model's names, the ``state_dict()`` keys; a
+    tied weight under its first name, as in the plain model.
 
     Example::
 
@@ -71,6 +84,9 @@ class FlatParamModule(nn.Module):
         # Who hears that a parameter's gradient is ready: [WeakMethod of callable(slot) or
         # None]. The one per-parameter hook calls it (a trainer sets it: _set_grad_listener).
         self._grad_listener: list[weakref.WeakMethod | None] = [None]
+        # Before any parameter a trainer adopts exists: an optimizer over them cannot step
+        # unseen, so trainer.memory_bytes() can count it (torchshard/_stepped.py).
+        watch_optimizers()
 
     # -- properties -------------------------------------------------------------
     @property
@@ -358,6 +374,34 @@ class FlatParamModule(nn.Module):
         if any(p.device.type == "meta" for p in self.module.parameters()):
             self._require_bound("load_state_dict()")
         return self.module.load_state_dict(state_dict, strict=strict)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # A parent's load_state_dict (or torch.compile's wrapper's) reaches the model through
+        # _modules, as "module": give the model's own keys, which state_dict() wrote, that
+        # prefix. The children read state_dict after this returns.
+        if local_metadata.get("assign_to_params_buffers"):
+            raise TorchShardError(
+                "load_state_dict(assign=True) would replace the views into the flat buffer; "
+                "use the default assign=False"
+            )
+        own = set(self.module.state_dict(keep_vars=True))
+        renamed = {}
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            if key[len(prefix) :] in own:
+                renamed[f"{prefix}module.{key[len(prefix) :]}"] = state_dict.pop(key)
+        state_dict.update(renamed)  # after every pop: a new key may be an old one's name
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     # -- .to(), .cuda(), .half(), .to_empty(), ...: keep the invariant -------------------
     def _apply(

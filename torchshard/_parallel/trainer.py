@@ -15,6 +15,7 @@ from .._errors import RankMismatchError, TorchShardError
 from .._flat.geometry import Geometry
 from .._flat.module import FlatParamModule
 from .._log import get_logger
+from .._stepped import held_state_bytes
 from .buckets import Bucket, plan_buckets
 from .full import FullyShard
 from .mode import Context, Mode, Segment
@@ -449,21 +450,30 @@ class DistributedTrainer:
         (after the weights were changed other than by :meth:`step`, e.g. by a load)."""
         self._mode.refresh_master(self._ctx)
 
-    def memory_bytes(self) -> dict[str, int]:
+    def memory_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds: ``parameters``, ``gradients``, ``optimizer`` state, ``master``
         (persistent), and ``transient``: unit buffers allocated now (``shard="full"``; else 0).
 
+        ``optimizer`` counts the state of :meth:`make_optimizer`'s optimizer and the state
+        any other optimizer keeps for this trainer's tensors (``fm.parameters()``, those of
+        :meth:`optimizer_segments`, ``fm.flat_param``), from its first step on: a
+        process-wide post-step hook remembers every ``torch.optim.Optimizer`` that steps,
+        weakly (before its first step an optimizer has no state). Pass ``optimizer`` to
+        count one that has state without having stepped (after ``load_state_dict``), or one
+        that is no ``torch.optim.Optimizer`` (torch runs no hooks for it); one that holds
+        none of this trainer's tensors raises :class:`TorchShardError`.
+
         Example::
 
-            m = trainer.memory_bytes()
+            opt = torch.optim.AdamW(fm.parameters(), lr=1e-3)   # not make_optimizer's
+            ...                                                  # after a step
+            m = trainer.memory_bytes()                           # m["optimizer"] counts it
             print(sum(m.values()) / 2**20, "MiB")
         """
-        opt = 0
-        if self._optimizer is not None:
-            for state in self._optimizer.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor):
-                        opt += v.numel() * v.element_size()
+        mine = [*self._params, *(t for *_, t in self._mode.optimizer_tensors(self._ctx))]
+        if self.module.flat_param is not None:
+            mine.append(self.module.flat_param)
+        opt = held_state_bytes(self._optimizer, optimizer, mine)
         return self._mode.memory(self._ctx, opt)
 
     def check_collective_order(self) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .._errors import TorchShardError
+from .._errors import TorchShardError, and_more
 from .._flat.geometry import Geometry
 from .._flat.layout import FlatLayout
 
@@ -124,11 +124,16 @@ def _matcher(
         classes_ = tuple(x for x in spec if isinstance(x, type))
         bad = [x for x in spec if not isinstance(x, (str, type))]
         if bad:
-            raise TorchShardError(f"units: expected module names or classes, got {bad[0]!r}")
+            raise TorchShardError(
+                f"units: expected module names or classes, got {and_more([repr(x) for x in bad])}"
+            )
         known = {n for n, _ in named}
         missing = sorted(names - known)
         if missing:
-            raise TorchShardError(f"units: the model has no module named {missing[0]!r}")
+            raise TorchShardError(
+                "units: the model has no module named "
+                f"{and_more([repr(n) for n in missing])}; use names from model.named_modules()"
+            )
         return lambda n, m: n in names or (bool(classes_) and isinstance(m, classes_))
     raise TorchShardError(
         f"units: expected 'auto', a list of module names or classes, or a callable, "
