@@ -53,6 +53,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
     "_parallel.trainer": {
         "_dist",
         "_errors",
+        "_exit",
         "_flat.geometry",
         "_flat.module",
         "_log",

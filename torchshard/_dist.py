@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _exit
 from ._errors import DeviceError, TorchShardError
+from ._exit import own_default_group
 from ._log import get_logger
 
 __all__ = [
@@ -202,7 +202,7 @@ def init_distributed(
             dist.init_process_group(backend, **kwargs)
         else:  # a world of one, no rendezvous needed
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-        _exit.own_default_group()  # destroyed at interpreter exit, once every rank is done
+        own_default_group()  # destroyed at interpreter exit, once every rank is done
         logger.debug("initialized %s process group", backend)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _exit
 from .._dist import Coordinator, exchange_bytes, init_distributed
 from .._errors import RankMismatchError, TorchShardError
+from .._exit import EXIT_TIMEOUT, destroy_group, drain, track, untrack
 from .._flat.geometry import Geometry
 from .._flat.module import FlatParamModule
 from .._log import get_logger
@@ -130,7 +130,7 @@ class DistributedTrainer:
         self._geometry = Geometry.of(layout, self.world_size, pad=self._mode.pads)
         self.padded_numel = self._geometry.total
         self._closed = False
-        _exit.track(self)  # closed at interpreter exit if nobody closes it before
+        track(self)  # closed at interpreter exit if nobody closes it before
         if self._mode.owns_buffers:
             # the model (and the units) are checked before the first collective that
             # depends on them
@@ -536,7 +536,7 @@ class DistributedTrainer:
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        _exit.untrack(self)
+        untrack(self)
         coordinator = getattr(self, "_coordinator", None)  # None too when construction
         reducer = getattr(self, "_reducer", None)  # failed half-way
         if failed:
@@ -552,19 +552,19 @@ class DistributedTrainer:
             # before the group that runs them can be destroyed
             torch.cuda.current_stream(device).synchronize()
         if coordinator is not None:
-            late = coordinator.leave(_exit.EXIT_TIMEOUT)
+            late = coordinator.leave(EXIT_TIMEOUT)
             if late:
                 logger.warning(
                     "close(): rank %d waited %.0f s for ranks %s to close too; leaving without "
                     "them (a rank that never calls close() and never exits?)",
                     self.rank,
-                    _exit.EXIT_TIMEOUT,
+                    EXIT_TIMEOUT,
                     late,
                 )
         mode = getattr(self, "_mode", None)
         for group in mode.own_groups() if mode is not None else ():
-            _exit.destroy_group(group)
-        _exit.drain()
+            destroy_group(group)
+        drain()
 
     def __enter__(self) -> DistributedTrainer:
         return self
