@@ -10,8 +10,11 @@ Nothing is downloaded.
     # a small Llama from its config, two processes (gloo on CPU, NCCL on GPUs)
     torchrun --standalone --nproc-per-node 2 examples/finetune_hf.py
 
-    # continue from the latest checkpoint, at another world size
+    # continue from the latest checkpoint that loads, at another world size
     torchrun --standalone --nproc-per-node 3 examples/finetune_hf.py --resume --steps 120
+
+    # start again, deleting the earlier run's checkpoints (without it: an error)
+    torchrun --standalone --nproc-per-node 2 examples/finetune_hf.py --overwrite
 
     # export for transformers, then load it there
     torchshard consolidate runs/finetune_hf runs/finetune_hf-model
@@ -34,6 +37,7 @@ import argparse
 import logging
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -44,12 +48,16 @@ from accelerate import init_empty_weights
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_gpt import (
+    HelpFormatter,
     decided_by_rank0,
     forever,
     get_batch,
     load_corpus,
     load_data_state,
     make_loader,
+    parse_quietly,
+    resume,
+    run_reporting_once,
 )
 
 import torchshard
@@ -71,28 +79,35 @@ CONFIGS = {
 }  # fmt: skip
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--arch", choices=sorted(CONFIGS), default="llama", help="random init")
-    src.add_argument("--config", help="a transformers config.json (random init)")
-    src.add_argument("--init-from", metavar="DIR", help="a local from_pretrained directory")
+    src.add_argument(
+        "--config", help="a transformers config.json, random init (default: none, --arch's)"
+    )
+    src.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="a local from_pretrained directory (default: none, --arch's random init)",
+    )
     p.add_argument("--steps", type=int, default=200, help="length of the run (and its schedule)")
-    p.add_argument("--stop-at", type=int, help="stop after this step, as if interrupted")
+    p.add_argument(
+        "--stop-at", type=int, help="stop after this step, as if interrupted (default: --steps)"
+    )
     p.add_argument(
         "--batch-size",
         type=int,
         default=12,
         help="sequences per step, all ranks together (the global batch; the world size\n"
-        "must divide it). Was per rank before the data position became world-size\n"
-        "free: 8 per rank at 2 ranks is --batch-size 16",
+        "must divide it)",
     )
     p.add_argument(
         "--num-workers", type=int, default=1, help="DataLoader worker processes per rank (0: none)"
     )
     p.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--seed", type=int, default=0, help="weights' and data order's seed")
     p.add_argument(
         "--log-every",
         type=int,
@@ -100,14 +115,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="log the loss every N steps (its mean over the ranks and those N steps)",
     )
     p.add_argument("--ckpt-dir", default="runs/finetune_hf", help="checkpoint root")
-    p.add_argument("--save-every", type=int, default=50)
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint that loads (a damaged one is skipped\n"
+        "for the one before, and set aside)",
+    )
+    p.add_argument(
+        "--resume-from",
+        metavar="PATH",
+        help="continue from exactly this checkpoint directory (no fallback); the run\n"
+        "saves under --ckpt-dir, where later checkpoints are set aside (renamed\n"
+        "step-N.skipped) (default: none)",
+    )
+    p.add_argument(
+        "--reset-data-position",
+        action="store_true",
+        help="on resume, if the saved data position does not fit this run (another\n"
+        "--batch-size, --block-size or --seed), set it anew instead of failing\n"
+        "(as examples/train_gpt.py --help says)",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="delete the checkpoints of an earlier run first"
+    )
     p.add_argument("--shard", action="store_true", help="FSDP-lite: sharded optimizer state")
     p.add_argument("--bf16", action="store_true", help="bf16 weights (with --shard: fp32 master)")
     p.add_argument(
         "--gradient-checkpointing", action="store_true", help="recompute activations in backward"
     )
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parse_quietly(build_parser(), argv)
 
 
 def build_model(args: argparse.Namespace, rank: int) -> torch.nn.Module:
@@ -136,15 +177,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     info = torchshard.init_distributed()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    if info.rank == 0:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # Rank 0 logs; the others, whose lines would repeat its own, say nothing.
+    handler = logging.StreamHandler() if info.rank == 0 else logging.NullHandler()
+    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[handler])
     ckpt = torchshard.checkpoint.Checkpointer(args.ckpt_dir, keep_last=2)
     latest = decided_by_rank0(ckpt.latest, info.device)  # one answer for every rank
-    if not args.resume and latest is not None:  # never lose a run by relaunching it
+    args.resume = args.resume or args.resume_from is not None
+    if not args.resume and not args.overwrite and latest is not None:  # never lose a run
         if info.rank == 0:
             print(
                 f"finetune_hf: {args.ckpt_dir} holds checkpoints (latest: {latest}); "
-                "--resume continues them, --ckpt-dir picks another directory",
+                "--resume continues them, --overwrite deletes them and starts again, "
+                "--ckpt-dir picks another directory",
                 file=sys.stderr,
             )
         sys.exit(2)
@@ -170,11 +214,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # The checkpoint stores the model's transformers config: `torchshard consolidate`
     # turns it into a directory that from_pretrained loads.
     start = 0
-    if args.resume and latest is not None:
-        resumed = ckpt.load(trainer, optimizer=opt, path=latest)
+    if not args.resume and latest is not None:  # --overwrite
+        log.info("--overwrite: removing %s's old checkpoints", args.ckpt_dir)
+        if info.rank == 0:
+            for old in Path(args.ckpt_dir).glob("step-*"):
+                shutil.rmtree(old)
+        dist.barrier()  # no rank saves into the directory before they are gone
+    resumed = None
+    if args.resume:
+        resumed = resume(ckpt, trainer, opt, args.resume_from, latest, args.ckpt_dir)
+    if resumed is not None:
         start = resumed.step
-        log.info("resumed %s, saved at world size %s", resumed.path, resumed.extra["world_size"])
-        load_data_state(sampler, resumed.extra)
+        load_data_state(sampler, resumed.extra, args.reset_data_position)
     if start >= args.steps:
         log.info("already at step %d of %d: nothing to train (raise --steps)", start, args.steps)
     log.info(
@@ -191,12 +242,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     batches = forever(sampler.track(loader))  # counts what the loop received: saved below
     last = min(args.steps, args.stop_at or args.steps)
     for step in range(start + 1, last + 1):
-        for group in opt.param_groups:  # linear warm-up, then cosine to a tenth
-            group["lr"] = (
-                args.lr
-                * min(1.0, step / 10)
-                * (0.55 + 0.45 * math.cos(math.pi * step / args.steps))
-            )
+        # linear warm-up, then cosine to a tenth
+        lr = args.lr * min(1.0, step / 10) * (0.55 + 0.45 * math.cos(math.pi * step / args.steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
         # (input, shifted): input only; pinned by the DataLoader on CUDA, so the copy is async
         x = next(batches)[0].to(info.device, non_blocking=True)
         trainer.zero_grad()
@@ -210,11 +259,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             mean = loss_sum / n_summed
             dist.all_reduce(mean)
             last_loss = mean.item() / info.world_size
-            log.info("step %4d  loss %.4f", step, last_loss)
+            log.info("step %4d  loss %.4f  lr %.3g", step, last_loss, lr)
             loss_sum.zero_()
             n_summed = 0
         if step % args.save_every == 0 or step == last:
-            extra = {"world_size": info.world_size, "data": sampler.state_dict()}
+            extra = {
+                "world_size": info.world_size,
+                "loss": last_loss if math.isfinite(last_loss) else None,  # JSON has no NaN
+                "data": sampler.state_dict(),
+            }
             ckpt.save(trainer, step=step, optimizer=opt, extra=extra)
     ckpt.close()
 
@@ -235,4 +288,4 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    run_reporting_once(main)

@@ -14,8 +14,17 @@ continues the epoch exactly (docs/data.md).
     python examples/train_gpt.py --steps 50
 
     # continue from the latest checkpoint, at another world size (--steps is the
-    # schedule's length: a larger value on resume stretches the cosine decay)
+    # schedule's length: a larger value on resume stretches the cosine decay); a latest
+    # checkpoint that fails verification is skipped for the newest one that loads
     torchrun --standalone --nproc-per-node 3 examples/train_gpt.py --steps 400 --resume
+
+    # continue from exactly this checkpoint (later ones under --ckpt-dir are set aside)
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py \
+        --resume-from runs/train_gpt/step-00000200
+
+    # resume with another global batch size: the data position is set anew (see --help)
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 400 --resume \
+        --batch-size 48 --reset-data-position
 
     # start again, deleting the earlier run's checkpoints (without it: an error)
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --overwrite
@@ -32,13 +41,20 @@ continues the epoch exactly (docs/data.md).
         --rdzv-endpoint HOST0:29500 --rdzv-id my-run examples/train_gpt.py
 
 Rank 0 logs the loss (mean over ranks), tokens per second and the time spent
-waiting for gradient communication.
+waiting for gradient communication, and appends them as JSON lines to
+<ckpt-dir>/metrics.jsonl; draw the loss curve with
+
+    python examples/plot_metrics.py runs/train_gpt/metrics.jsonl    # -> runs/train_gpt/loss.png
+
+An error (a setting that does not fit, a checkpoint that does not load) is printed by rank 0
+only; every rank exits with a non-zero status.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import logging
 import math
@@ -63,20 +79,44 @@ import torchshard.checkpoint
 log = logging.getLogger("train_gpt")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+class HelpFormatter(argparse.RawTextHelpFormatter):
+    """--help with its line breaks kept and each option's default shown (flags are off by
+    default; an option whose default is computed says so in its help)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False
+        if "default" not in text and not unset and action.default != argparse.SUPPRESS:
+            text += ("" if text.endswith("\n") else " ") + "(default: %(default)s)"
+        return text
+
+
+def parse_quietly(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``; under a launcher only rank 0 prints a usage error (or
+    --help), the other ranks exit as quietly with the same status."""
+    quiet = int(os.environ.get("RANK", "0")) != 0
+    with contextlib.ExitStack() as stack:
+        if quiet:
+            stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+            stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
+        return parser.parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--preset", default="small", help="model size: tiny, small, 125m, ... (gpt.py)")
-    p.add_argument("--n-layer", type=int, help="override the preset's layers")
-    p.add_argument("--n-embd", type=int, help="override the preset's width")
+    p.add_argument(
+        "--n-layer", type=int, help="override the preset's layers (default: the preset's)"
+    )
+    p.add_argument("--n-embd", type=int, help="override the preset's width (default: the preset's)")
     p.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=300, help="length of the run and its schedule")
     p.add_argument(
         "--batch-size",
         type=int,
         default=24,
-        help="sequences per micro-batch, all ranks together (the global batch; the world\n"
-        "size must divide it). Was per rank before the data position became\n"
-        "world-size free: 16 per rank at 2 ranks is --batch-size 32",
+        help="sequences per micro-batch, all ranks together (the global batch;\n"
+        "the world size must divide it)",
     )
     p.add_argument(
         "--grad-accum", type=int, default=1, help="micro-batches (global batches) per step"
@@ -84,35 +124,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--num-workers", type=int, default=1, help="DataLoader worker processes per rank (0: none)"
     )
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
     p.add_argument(
         "--bucket-mb",
         type=float,
-        help="gradient bucket size (MiB; default: 25 on CUDA, as DDP, and 1 on the CPU)",
+        help="gradient bucket size in MiB (default: 25 on CUDA, as DDP, and 1 on\nthe CPU)",
     )
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ckpt-dir", default="runs/train_gpt", help="checkpoint root ('' to disable)")
+    p.add_argument(
+        "--log-every", type=int, default=10, help="log (and record metrics) every N steps"
+    )
+    p.add_argument("--seed", type=int, default=0, help="weights' and data order's seed")
+    p.add_argument(
+        "--ckpt-dir",
+        default="runs/train_gpt",
+        help="checkpoint root, and where metrics.jsonl goes ('' for neither)\n",
+    )
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
     p.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep")
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the latest checkpoint (if any); a worker that torchrun\n"
-        "restarted (--max-restarts) always does",
+        help="continue from the latest checkpoint (if any) that loads: a damaged one is\n"
+        "skipped for the one before, and set aside; a worker that torchrun\n"
+        "restarted (--max-restarts) always resumes",
+    )
+    p.add_argument(
+        "--resume-from",
+        metavar="PATH",
+        help="continue from exactly this checkpoint directory (no fallback); the run\n"
+        "saves under --ckpt-dir, where later checkpoints are set aside (renamed\n"
+        "step-N.skipped). A restarted worker continues from --ckpt-dir's latest\n"
+        "(default: none)",
+    )
+    p.add_argument(
+        "--reset-data-position",
+        action="store_true",
+        help="on resume, if the saved data position does not fit this run (another\n"
+        "--batch-size, --block-size or --seed), set it anew instead of failing:\n"
+        "another --batch-size only continues the saved epoch after the samples it\n"
+        "received (none seen twice; under one global batch skipped), otherwise the\n"
+        "saved epoch starts again",
     )
     p.add_argument(
         "--stop-at",
         type=int,
-        help="stop (and checkpoint) after this step; the schedule spans --steps",
+        help="stop (and checkpoint) after this step; the schedule spans --steps\n"
+        "(default: --steps)",
     )
     p.add_argument(
         "--fail-at",
         type=int,
         help="simulate a crash: the last rank SIGKILLs itself after this step, on the\n"
-        "first attempt only (see --max-restarts in the README)",
+        "first attempt only (see --max-restarts in the README) (default: no crash)",
     )
     p.add_argument(
         "--overwrite", action="store_true", help="delete the checkpoints of an earlier run first"
@@ -123,13 +188,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         const="optimizer",
         choices=["optimizer", "full"],
         help="--shard: FSDP-lite, optimizer state and gradients sharded; --shard full:\n"
-        "fully sharded (ZeRO-3), the weights too, one transformer block gathered at a time",
+        "fully sharded (ZeRO-3), the weights too, one transformer block gathered\n"
+        "at a time (default: neither, the state is replicated)",
     )
     p.add_argument("--bf16", action="store_true", help="bf16 weights (with --shard: fp32 master)")
     p.add_argument(
         "--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)"
     )
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parse_quietly(build_parser(), argv)
 
 
 def load_corpus() -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,24 +246,59 @@ def make_loader(
     return sampler, loader
 
 
-def load_data_state(sampler: torchshard.GlobalBatchSampler, extra: dict) -> None:
-    """Continue the data where the checkpoint's loop stopped receiving it (at any world size)."""
+def load_data_state(sampler: torchshard.GlobalBatchSampler, extra: dict, reset: bool) -> None:
+    """Continue the data where the checkpoint's loop stopped receiving it (at any world size).
+    ``reset`` (--reset-data-position): a saved position that does not fit this run is set
+    anew (:func:`reset_data_position`) instead of exiting with the reason."""
     if "data" not in extra:
         log.info("the checkpoint holds no data position: the data starts at epoch 0")
         return
     try:
         sampler.load_state_dict(extra["data"])
     except torchshard.DataError as e:
-        raise SystemExit(
-            f"the checkpoint's data position does not fit this run: {e} "
-            "(--batch-size, --block-size and --seed must be the saved run's)"
-        ) from e
+        if not reset:
+            raise SystemExit(
+                f"the checkpoint's data position does not fit this run: {e} (--batch-size, "
+                "--block-size and --seed must be the saved run's, or --reset-data-position "
+                "sets the position anew for this run's)"
+            ) from e
+        reset_data_position(sampler, extra["data"])
     log.info(
         "data: epoch %d, global batch %d of %d",
         sampler.epoch,
-        extra["data"]["consumed"],
+        sampler.state_dict()["consumed"],
         len(sampler),
     )
+
+
+def reset_data_position(sampler: torchshard.GlobalBatchSampler, saved: dict) -> None:
+    """The saved epoch, continued in this run's global batches, said loudly.
+
+    An epoch's order does not depend on the global batch size (GlobalBatchSampler), so when only
+    that changed the epoch continues after the samples the saved run received, rounded up
+    to this run's next whole global batch: none is seen twice, fewer than one global batch
+    is skipped. Another block size (other samples) or seed (another order) cannot be mapped:
+    the saved epoch starts again from its first global batch.
+    """
+    epoch, consumed, old_batch = (
+        saved.get(k, 0) for k in ("epoch", "consumed", "global_batch_size")
+    )
+    same_order = all(
+        saved.get(k) == getattr(sampler, k) for k in ("num_samples", "seed", "shuffle")
+    )
+    seen = consumed * old_batch  # samples of the epoch the saved run received
+    position = min(-(-seen // sampler.global_batch_size), len(sampler)) if same_order else 0
+    sampler.load_state_dict({**sampler.state_dict(), "epoch": epoch, "consumed": position})
+    was = f"epoch {epoch}, {consumed} global batches of {old_batch} received"
+    if same_order:
+        skipped = max(0, position * sampler.global_batch_size - seen)
+        now = (
+            f"epoch {epoch}, {position} global batches of {sampler.global_batch_size} received: "
+            f"the epoch goes on after its first {seen} sequences ({skipped} skipped, none twice)"
+        )
+    else:
+        now = f"epoch {epoch} from its start (this --block-size or --seed orders it otherwise)"
+    log.warning("WARNING: --reset-data-position: the data position %s becomes %s", was, now)
 
 
 def decided_by_rank0(decide, device):
@@ -214,6 +319,86 @@ def decided_by_rank0(decide, device):
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     dist.broadcast(buf, src=0)
     return json.loads(bytes(buf.cpu().tolist()))
+
+
+def resume(
+    ckpt: torchshard.checkpoint.Checkpointer | None,
+    trainer: torchshard.DistributedTrainer,
+    opt: torch.optim.Optimizer,
+    resume_from: str | None,
+    latest: str | None,
+    ckpt_dir: str,
+) -> torchshard.checkpoint.CheckpointInfo | None:
+    """Load ``resume_from`` exactly, or else the newest checkpoint under ``ckpt_dir`` that
+    loads (``fallback=True``: one that fails verification is skipped, rank 0 says which and
+    why); ``None`` if ``latest`` (rank 0's look) is none. Exits with the reason when nothing
+    loads: every rank fails alike, having changed nothing.
+
+    The checkpoints of ``ckpt_dir`` after the one loaded (the skipped ones, or those after
+    ``resume_from``) are set aside, renamed ``step-N.skipped``: this run saves those steps
+    again, and a save never replaces a checkpoint."""
+    try:
+        if resume_from is not None:
+            resumed = torchshard.checkpoint.load(resume_from, trainer, optimizer=opt)
+        elif latest is None:
+            log.info("--resume: no checkpoint under %r, starting from scratch", ckpt_dir)
+            return None
+        else:
+            resumed = ckpt.load(trainer, optimizer=opt, fallback=True)
+    except torchshard.checkpoint.CheckpointError as e:
+        raise SystemExit(f"{Path(sys.argv[0]).stem}: cannot resume: {e}") from e
+    loss = resumed.extra.get("loss")
+    log.info(
+        "resumed from %s (saved at world size %s, loss %s)",
+        resumed.path,
+        resumed.extra.get("world_size", "-"),
+        "-" if loss is None else f"{loss:.4f}",
+    )
+    if ckpt is not None:
+        if dist.get_rank() == 0:
+            later = [p for p in Path(ckpt_dir).glob("step-*") if p.name[5:].isdigit()]
+            for path in sorted(p for p in later if int(p.name[5:]) > resumed.step):
+                aside, n = path.with_name(f"{path.name}.skipped"), 1
+                while aside.exists():  # one set aside before: keep both
+                    n += 1
+                    aside = path.with_name(f"{path.name}.skipped-{n}")
+                path.rename(aside)
+                log.warning(
+                    "WARNING: %s is after the checkpoint resumed: renamed %s", path, aside.name
+                )
+        dist.barrier()  # no rank saves before they are out of the way
+    return resumed
+
+
+def open_metrics(ckpt_dir: str, start: int) -> io.TextIOBase:
+    """``ckpt_dir/metrics.jsonl``, for appending a JSON line per log step (on rank 0).
+
+    A fresh run starts the file anew; a resumed one keeps the lines up to its checkpoint's
+    step and drops those after it (logged by an attempt that did not reach a checkpoint, or
+    a branch given up by --resume-from), so the file tells one run's story."""
+    path = Path(ckpt_dir) / "metrics.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kept = []
+    if start and path.exists():
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):  # a line cut short by a crash
+                if json.loads(line)["step"] <= start:
+                    kept.append(line + "\n")
+    f = path.open("w")
+    f.writelines(kept)
+    f.flush()
+    return f
+
+
+def run_reporting_once(main) -> None:
+    """Call ``main()``: an error it exits with (a message, the same on every rank) is printed
+    by rank 0 only; the other ranks exit with the same status, quietly."""
+    try:
+        main()
+    except SystemExit as e:
+        if e.code in (None, 0) or int(os.environ.get("RANK", "0")) == 0:
+            raise
+        sys.exit(e.code if isinstance(e.code, int) else 1)
 
 
 def forever(batches):
@@ -247,18 +432,25 @@ def main(argv: list[str] | None = None) -> float:
     info = torchshard.init_distributed()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
-    if info.rank == 0:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # Rank 0 logs; the others, whose lines would repeat its own, say nothing (not even the
+    # warnings that Python prints where no handler is configured).
+    handler = logging.StreamHandler() if info.rank == 0 else logging.NullHandler()
+    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[handler])
     ckpt = (
         torchshard.checkpoint.Checkpointer(args.ckpt_dir, keep_last=args.keep_last)
         if args.ckpt_dir
         else None
     )
+
     # Rank 0 looks for a checkpoint (and whether this is a restart) and every rank acts on
-    # its answer: resume it, refuse to start over it, or delete it (--overwrite).
-    args.resume, latest = decided_by_rank0(
-        lambda: (args.resume, ckpt.latest() if ckpt is not None else None), info.device
-    )
+    # its answer: resume it, refuse to start over it, or delete it (--overwrite). A worker
+    # restarted after --resume-from's run saved continues from that run's latest instead.
+    def look() -> tuple[bool, str | None, str | None]:
+        latest = ckpt.latest() if ckpt is not None else None
+        resume_from = None if restarted and latest is not None else args.resume_from
+        return args.resume or resume_from is not None, latest, resume_from
+
+    args.resume, latest, args.resume_from = decided_by_rank0(look, info.device)
     if not args.resume and not args.overwrite and latest is not None:
         if info.rank == 0:  # never lose a run by launching the same command again
             print(
@@ -307,26 +499,21 @@ def main(argv: list[str] | None = None) -> float:
         weight_decay=0.1,
         groups=[(no_decay, {"weight_decay": 0.0})],
     )
-    start = 0
+    start, elapsed = 0, 0.0  # steps and training seconds before this launch
     if not args.resume and latest is not None:  # --overwrite
         log.info("--overwrite: removing %s's old checkpoints", args.ckpt_dir)
         if info.rank == 0:
             for old in Path(args.ckpt_dir).glob("step-*"):
                 shutil.rmtree(old)
         dist.barrier()  # no rank saves into the directory before they are gone
+    resumed = None
     if args.resume:
-        if latest is None:
-            log.info("--resume: no checkpoint under %r, starting from scratch", args.ckpt_dir)
-        else:
-            resumed = ckpt.load(trainer, optimizer=opt, path=latest)  # rank 0's, on every rank
-            start = resumed.step
-            log.info(
-                "resumed from %s (saved at world size %d, loss %s)",
-                resumed.path,
-                resumed.extra["world_size"],
-                "-" if resumed.extra.get("loss") is None else f"{resumed.extra['loss']:.4f}",
-            )
-            load_data_state(sampler, resumed.extra)
+        resumed = resume(ckpt, trainer, opt, args.resume_from, latest, args.ckpt_dir)
+    if resumed is not None:
+        start, elapsed = resumed.step, resumed.extra.get("elapsed_s", 0.0)
+        load_data_state(sampler, resumed.extra, args.reset_data_position)
+    # Rank 0 records what it logs, for examples/plot_metrics.py.
+    metrics = open_metrics(args.ckpt_dir, start) if args.ckpt_dir and info.rank == 0 else None
     log.info(
         "world %d on %s, %s: %.2fM parameters, corpus %d bytes, %d %s",
         info.world_size,
@@ -342,6 +529,7 @@ def main(argv: list[str] | None = None) -> float:
     # Counted as the loop receives them (the workers draw ahead): what a checkpoint saves.
     batches = forever(sampler.track(loader))
     t_last, wait_last, n_logged, first_loss = time.perf_counter(), 0.0, 0, None
+    t_start = t_last
     # The loss summed on the device since the last log, read (a host sync) only at log steps.
     loss_sum = torch.zeros(1, device=info.device)
     mean_loss = float("nan")
@@ -372,14 +560,27 @@ def main(argv: list[str] | None = None) -> float:
             first_loss = first_loss or mean_loss
             now, wait = time.perf_counter(), trainer.stats.wait_seconds
             steps_done, n_logged = n_logged, 0
+            tok_per_s = tokens_per_step * steps_done / (now - t_last)
+            wait_ms = 1000 * (wait - wait_last) / steps_done
             log.info(
-                "step %4d  loss %.4f  lr %.2e  %6.0f tok/s  comm wait %.1f ms/step",
+                "step %4d  loss %.4f  lr %.3g  %6.0f tok/s  comm wait %.1f ms/step",
                 step,
                 mean_loss,
                 lr,
-                tokens_per_step * steps_done / (now - t_last),
-                1000 * (wait - wait_last) / steps_done,
+                tok_per_s,
+                wait_ms,
             )
+            if metrics is not None:  # rounded as printed: no float noise in the file either
+                record = {
+                    "step": step,
+                    "loss": round(mean_loss, 6),
+                    "lr": float(f"{lr:.6g}"),
+                    "tokens_per_s": round(tok_per_s, 1),
+                    "comm_wait_ms_per_step": round(wait_ms, 3),
+                    "elapsed_s": round(elapsed + now - t_start, 3),
+                }
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
             t_last, wait_last = now, wait
             loss_sum.zero_()
         if step == args.fail_at and info.rank == info.world_size - 1 and not restarted:
@@ -393,9 +594,12 @@ def main(argv: list[str] | None = None) -> float:
                 "world_size": info.world_size,
                 "loss": mean_loss if math.isfinite(mean_loss) else None,  # JSON has no NaN
                 "data": sampler.state_dict(),
+                "elapsed_s": elapsed + time.perf_counter() - t_start,  # training time so far
             }
             ckpt.save(trainer, step=step, optimizer=opt, extra=extra)
 
+    if metrics is not None:
+        metrics.close()
     if ckpt is not None:
         ckpt.close()  # waits for the last save to be committed
         log.info(
@@ -421,4 +625,4 @@ def evaluate(fm: torchshard.FlatParamModule, data: torch.Tensor, args, device) -
 
 
 if __name__ == "__main__":
-    main()
+    run_reporting_once(main)

@@ -1,9 +1,12 @@
 """The examples run as documented, with small settings: the transformers fine-tune under
 torchrun and under ``accelerate launch``, and the train / stop / resume at 1 and 3 / export
-script. (``train_gpt.py``, the main job, is exercised by test_parallel_launch.py.)"""
+script; train_gpt.py's resume past a corrupt checkpoint, its errors printed once, its metrics
+and their plot; both scripts' --help. (``train_gpt.py``'s runs at several world sizes and
+launchers are in test_parallel_launch.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -12,25 +15,37 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from multiprocess import free_port
-from test_parallel_launch import clean_env
-
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+from safetensors.torch import load_file
+from test_parallel_launch import clean_env, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 FINETUNE = str(ROOT / "examples" / "finetune_hf.py")
+TRAIN_GPT = str(ROOT / "examples" / "train_gpt.py")
 SMALL = "--block-size 32 --batch-size 6 --save-every 2 --log-every 2"  # global: 1, 2 and 3 ranks
+# train_gpt.py, small enough for a test; no DataLoader workers (no processes to start)
+GPT = [
+    *("--preset", "tiny", "--block-size", "16", "--batch-size", "12", "--lr", "1e-2"),
+    *("--threads", "1", "--num-workers", "0"),
+]
 
-pytestmark = pytest.mark.slow
+
+def needs_hf() -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
 
 
-def run(cmd: list[str], env: dict[str, str] | None = None, timeout: int = 240) -> str:
+def launch(cmd: list[str], env: dict[str, str] | None = None, timeout: int = 240):
     out = subprocess.run(
         cmd, cwd=ROOT, env=env or clean_env(), capture_output=True, text=True, timeout=timeout
     )
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text
+    return out.returncode, out.stdout + out.stderr
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None, timeout: int = 240) -> str:
+    code, text = launch(cmd, env, timeout)
+    assert code == 0, text
     assert "Traceback" not in text, text
     return text
 
@@ -41,8 +56,10 @@ def run(cmd: list[str], env: dict[str, str] | None = None, timeout: int = 240) -
 SCRIPT_TIMEOUT = 400
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(SCRIPT_TIMEOUT + 60)
 def test_resume_script_trains_resumes_at_1_and_3_and_exports(tmp_path):
+    needs_hf()
     if shutil.which("torchshard") is None or shutil.which("torchrun") is None:
         pytest.fail("the torchshard and torchrun commands must be installed (pip install -e .)")
     env = clean_env() | {"STEPS": "8", "RUN": str(tmp_path / "run"), "ARGS": SMALL}
@@ -52,7 +69,7 @@ def test_resume_script_trains_resumes_at_1_and_3_and_exports(tmp_path):
     assert f"checkpoint committed: {tmp_path}/run/w2/step-00000004" in text
     assert "step-00000006" not in text.split("== 1 rank")[0]
     for world in (1, 3):
-        assert f"resumed {tmp_path}/run/w{world}/step-00000004, saved at world size 2" in text
+        assert f"resumed from {tmp_path}/run/w{world}/step-00000004 (saved at world size 2" in text
         assert f"world {world} on cpu" in text
         assert f"{tmp_path}/run/w{world}/step-00000008" in text
     assert "OK: 4 files" in text  # torchshard inspect verified every checksum
@@ -68,7 +85,9 @@ def test_resume_script_trains_resumes_at_1_and_3_and_exports(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_finetune_under_accelerate_launch_gpt2_sharded(tmp_path):
+    needs_hf()
     if shutil.which("accelerate") is None:
         pytest.fail("the accelerate command must be installed (pip install accelerate)")
     cmd = [
@@ -83,8 +102,10 @@ def test_finetune_under_accelerate_launch_gpt2_sharded(tmp_path):
     assert (tmp_path / "ckpt" / "step-00000004" / "metadata.json").is_file()
 
 
+@pytest.mark.slow
 def test_finetune_starts_from_a_from_pretrained_directory(tmp_path):
     """--init-from: rank 0 loads the directory, the other ranks build on meta and receive it."""
+    needs_hf()
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -102,6 +123,7 @@ def test_finetune_starts_from_a_from_pretrained_directory(tmp_path):
     assert os.path.isdir(tmp_path / "ckpt" / "step-00000002")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(SCRIPT_TIMEOUT + 60)
 def test_fault_tolerance_script_survives_a_kill_and_ends_bitwise_as_without_it(tmp_path):
     env = clean_env() | {"STEPS": "20", "KILL": "8", "RUN": str(tmp_path / "run")}
@@ -117,3 +139,157 @@ def test_fault_tolerance_script_survives_a_kill_and_ends_bitwise_as_without_it(t
     # then the second phase from step 10, at 3 ranks
     assert f"resumed from {tmp_path}/run/faulty/step-00000010 (saved at world size 2" in text
     assert "final weights equal the uninterrupted run's: True (28 tensors, bitwise)" in text
+
+
+# -- --help ---------------------------------------------------------------------------------------
+
+
+def value_options_without_a_default(parser) -> list[str]:
+    """Options that take a value and whose --help line does not say its default."""
+    formatter = parser._get_formatter()
+    return [
+        action.option_strings[0]
+        for action in parser._actions
+        if action.option_strings and action.nargs != 0  # flags are off by default
+        if "default" not in formatter._get_help_string(action) % vars(action)
+    ]
+
+
+@pytest.mark.parametrize("script", ["train_gpt", "finetune_hf"])
+def test_help_shows_every_default_and_no_changelog(script):
+    if script == "finetune_hf":
+        needs_hf()
+    parser = __import__(script).build_parser()
+    assert value_options_without_a_default(parser) == []
+    text = parser.format_help()
+    assert "(default: 24)" in text or "(default: 12)" in text  # --batch-size
+    assert "Was per rank" not in text and "--reset-data-position" in text
+    for flag in ("--resume-from", "--overwrite"):
+        assert flag in text
+
+
+# -- train_gpt.py: resume past a corrupt checkpoint, errors once, metrics --------------------------
+
+
+def final_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt.glob("model*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_train_gpt_resumes_past_a_corrupt_latest_checkpoint_under_max_restarts(tmp_path):
+    """The issue's "done when": two checkpoints, a flipped byte in the latest's metadata.json;
+    --resume under `torchrun --max-restarts 1` continues from the one before, in one attempt,
+    and ends bitwise equal to a run that resumed from that one directly (--resume-from)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    gpt = [*GPT, "--steps", "12", "--save-every", "4", "--log-every", "4", "--keep-last", "3"]
+    two = ("--standalone", "--nproc-per-node", "2")
+    run(torchrun(*two, TRAIN_GPT, *gpt, "--ckpt-dir", str(a), "--stop-at", "8"))
+    assert sorted(p.name for p in a.glob("step-*")) == ["step-00000004", "step-00000008"]
+
+    # the oracle: from step 4 exactly, saving elsewhere
+    first = a / "step-00000004"
+    direct = run(torchrun(*two, TRAIN_GPT, *gpt, "--ckpt-dir", str(b), "--resume-from", str(first)))
+    assert f"resumed from {first} (saved at world size 2" in direct, direct
+
+    meta = a / "step-00000008" / "metadata.json"
+    data = bytearray(meta.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    meta.write_bytes(data)
+    text = run(
+        torchrun(*two, "--max-restarts", "1", TRAIN_GPT, *gpt, "--ckpt-dir", str(a), "--resume")
+    )
+    assert re.search(r"step-00000008\b.*skipped", text), text  # rank 0's warning
+    assert text.count(f"resumed from {first} (saved at world size 2") == 1, text  # no restart
+    assert "renamed step-00000008.skipped" in text, text
+    assert sorted(p.name for p in a.glob("step-*")) == [
+        "step-00000004", "step-00000008", "step-00000008.skipped", "step-00000012",
+    ]  # fmt: skip
+    assert (a / "step-00000008.skipped" / "metadata.json").read_bytes() == bytes(data)
+
+    ours, theirs = final_weights(a / "step-00000012"), final_weights(b / "step-00000012")
+    assert ours.keys() == theirs.keys() and ours
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours), "final weights differ"
+    # metrics.jsonl: the step-8 line of the attempt given up is replaced by the resumed run's
+    logged = [(m["step"], m["loss"], m["lr"]) for m in metrics(a / "metrics.jsonl")]
+    oracle = [(m["step"], m["loss"], m["lr"]) for m in metrics(b / "metrics.jsonl")]
+    assert [step for step, *_ in logged] == [4, 8, 12] and logged[1:] == oracle, (logged, oracle)
+
+
+@pytest.mark.slow
+def test_train_gpt_errors_once_and_a_new_batch_size_resumes_with_reset_data_position(tmp_path):
+    ckpt = ["--ckpt-dir", str(tmp_path), "--save-every", "2", "--log-every", "2"]
+    two = ("--standalone", "--nproc-per-node", "2")
+    run(torchrun(*two, TRAIN_GPT, *GPT, *ckpt, "--steps", "8", "--stop-at", "4"))
+    metrics_before = metrics(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics_before] == [2, 4]
+    assert set(metrics_before[0]) == {
+        "step", "loss", "lr", "tokens_per_s", "comm_wait_ms_per_step", "elapsed_s",
+    }  # fmt: skip
+    assert all(len(repr(m["lr"])) <= 12 for m in metrics_before), metrics_before  # no noise
+
+    # another global batch: refused, said once (by rank 0), naming the way out
+    bigger = [*ckpt, "--steps", "8", "--resume", "--batch-size", "24"]
+    code, text = launch(torchrun(*two, TRAIN_GPT, *GPT, *bigger))
+    assert code != 0, text
+    assert text.count("the checkpoint's data position does not fit this run") == 1, text
+    assert "--reset-data-position" in text and 'train_gpt.py", line' not in text, text
+
+    # and with the flag: 4 global batches of 12 received = 2 of 24, said loudly (once)
+    text = run(torchrun(*two, TRAIN_GPT, *GPT, *bigger, "--reset-data-position"))
+    assert text.count("WARNING: --reset-data-position") == 1, text
+    assert "data: epoch 0, global batch 2 of" in text, text
+    assert [int(ln.split()[1]) for ln in text.splitlines() if ln.startswith("step ")] == [6, 8]
+    assert re.search(r"^step +6 +loss \S+ +lr 0\.\d+ ", text, re.M), text  # %.3g, no noise
+    assert [m["step"] for m in metrics(tmp_path / "metrics.jsonl")] == [2, 4, 6, 8]
+
+    # a checkpoint that does not load, named exactly: one message, every rank non-zero
+    meta = tmp_path / "step-00000008" / "metadata.json"
+    meta.write_bytes(meta.read_bytes().replace(b'"step"', b'"stop"', 1))
+    cmd = [*GPT, *ckpt, "--steps", "10", "--batch-size", "24", "--resume-from", str(meta.parent)]
+    code, text = launch(torchrun(*two, TRAIN_GPT, *cmd))
+    assert code != 0, text
+    assert text.count("cannot resume:") == 1 and str(meta.parent) in text, text
+    assert 'train_gpt.py", line' not in text, text
+
+
+def test_plot_metrics_draws_the_loss_curve(tmp_path):
+    pytest.importorskip("matplotlib")
+    import plot_metrics
+
+    lines = [
+        {"step": 10, "loss": 5.0, "lr": 0.002},
+        {"step": 20, "loss": 4.0, "lr": 0.002},
+        {"step": 20, "loss": 3.5, "lr": 0.002},  # logged again after a resume: this one counts
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in lines) + '{"step": 30, "lo')
+    assert [(m["step"], m["loss"]) for m in plot_metrics.read_metrics(path)] == [
+        (10, 5.0),
+        (20, 3.5),
+    ]
+    out = plot_metrics.main([str(tmp_path)])  # the directory: its metrics.jsonl
+    assert out == tmp_path / "loss.png"
+    assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and out.stat().st_size > 1000
+    assert plot_metrics.main([str(path), "-o", str(tmp_path / "x.png")]).is_file()
+    with pytest.raises(SystemExit, match="no metrics lines"):
+        (tmp_path / "empty.jsonl").write_text("")
+        plot_metrics.main([str(tmp_path / "empty.jsonl")])
+
+
+@pytest.mark.slow
+def test_finetune_refuses_to_start_over_a_run_without_overwrite(tmp_path):
+    needs_hf()
+    cmd = [sys.executable, FINETUNE, "--steps", "2", "--ckpt-dir", str(tmp_path), *SMALL.split()]
+    run(cmd)
+    code, text = launch(cmd)
+    assert code == 2 and "holds checkpoints" in text and "--overwrite" in text, text
+    text = run([*cmd, "--overwrite", "--stop-at", "1", "--save-every", "1"])
+    assert "--overwrite: removing" in text, text
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000001"]

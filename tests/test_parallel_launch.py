@@ -189,13 +189,17 @@ def test_a_second_run_refuses_to_delete_the_first_runs_checkpoints(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
     assert again.returncode == 2
     assert "holds checkpoints" in again.stderr and "--overwrite" in again.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "metrics.jsonl",
+        "step-00000002",
+        "step-00000004",
+    ]
     out = subprocess.run(
         [*cmd, "--overwrite", "--steps", "2"],
         capture_output=True, text=True, timeout=240, env=clean_env(),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002"]
 
 
 @pytest.mark.slow
