@@ -55,7 +55,24 @@ def gpus_requested(config: pytest.Config) -> bool:
     return bool(config.getoption("--gpu")) or _selects_gpu(config.getoption("markexpr") or "")
 
 
+def _require_timeouts(config: pytest.Config) -> None:
+    """Stop at start when pytest-timeout is missing: without it ``timeout = 300`` and every
+    ``@pytest.mark.timeout`` are inert (pytest only warns of an unknown option) and a hung
+    collective hangs the run instead of failing its test. ``-p no:timeout`` is a choice, and
+    allowed (under a debugger, say)."""
+    plugins = config.pluginmanager
+    if plugins.hasplugin("timeout") or plugins.is_blocked("timeout"):
+        return
+    pytest.exit(
+        "pytest-timeout: expected the plugin (every multi-process test relies on its timeout), "
+        "got none loaded; install the test extra (pip install -e '.[test]'), or pass "
+        "-p no:timeout to run without timeouts on purpose",
+        returncode=pytest.ExitCode.USAGE_ERROR,
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _require_timeouts(config)
     if gpus_requested(config):
         if _ORIGINAL is None:
             os.environ.pop(_HIDDEN, None)

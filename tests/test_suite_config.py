@@ -1,0 +1,42 @@
+"""The suite's own guards: a misspelt marker is an error, and a venv without pytest-timeout
+stops at start (without it every timeout is inert and a hung collective hangs the run)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_run(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"} | env
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=cwd,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_misspelt_marker_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "test_typo.py").write_text(
+        "import pytest\n\n\n@pytest.mark.slwo\ndef test_typo():\n    pass\n"
+    )
+    run = pytest_run("-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path), "test_typo.py", cwd=tmp_path)  # fmt: skip
+    assert run.returncode != 0, run.stdout
+    assert "'slwo' not found in `markers`" in run.stdout, run.stdout
+
+
+def test_the_suite_stops_at_start_without_the_timeout_plugin() -> None:
+    # No entry-point plugins: pytest-timeout is not loaded, as in a venv without it.
+    run = pytest_run(
+        "--collect-only", "-q", "tests/test_flat_layout.py", cwd=ROOT, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"
+    )  # fmt: skip
+    assert run.returncode == 4, run.stdout + run.stderr
+    assert "pytest-timeout: expected the plugin" in run.stdout + run.stderr
+    assert "test_flat_layout.py::" not in run.stdout  # nothing collected, let alone run
