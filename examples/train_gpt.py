@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         action="store_true",
         help="continue from the latest checkpoint (if any) that loads: a damaged one is\n"
-        "skipped for the one before, and set aside; a worker that torchrun\n"
+        "skipped for the one before, and set aside (renamed step-N.bad); a worker that torchrun\n"
         "restarted (--max-restarts) always resumes",
     )
     p.add_argument(
@@ -334,9 +334,10 @@ def resume(
     why); ``None`` if ``latest`` (rank 0's look) is none. Exits with the reason when nothing
     loads: every rank fails alike, having changed nothing.
 
-    The checkpoints of ``ckpt_dir`` after the one loaded (the skipped ones, or those after
-    ``resume_from``) are set aside, renamed ``step-N.skipped``: this run saves those steps
-    again, and a save never replaces a checkpoint."""
+    The checkpoints of ``ckpt_dir`` after the one loaded are set aside: the damaged ones
+    the fallback skipped by the Checkpointer (renamed ``step-N.bad``), those after
+    ``resume_from`` here (renamed ``step-N.skipped``): this run saves those steps again,
+    and a save never replaces a checkpoint."""
     try:
         if resume_from is not None:
             resumed = torchshard.checkpoint.load(resume_from, trainer, optimizer=opt)

@@ -127,6 +127,23 @@ def test_two_damaged_are_skipped_newest_first(root):
     assert info.step == 1
     assert [p for p, _ in info.skipped] == [step_path(root, 3), step_path(root, 2)]
     same_state(fm, opt, step_path(root, 1))
+    # the Checkpointer set both aside, kept whole, so that the run saves those steps again
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["step-00000001", "step-00000002.bad", "step-00000003.bad"]
+    ckpt = Checkpointer(root, keep_last=None)
+    ckpt.save(fm, step=2, optimizer=opt, blocking=True)
+    ckpt.close()
+    assert Checkpointer(root).latest() == step_path(root, 2)
+
+
+def test_the_checkpointer_sets_nothing_aside_when_nothing_loads(root):
+    flip_metadata(step_path(root, 3))
+    for step in (1, 2):
+        (step_path(root, step) / MODEL).unlink()
+    fm, opt = target()
+    with pytest.raises(CheckpointError):
+        Checkpointer(root).load(fm, optimizer=opt, fallback=True)
+    assert sorted(p.name for p in root.iterdir()) == [f"step-0000000{s}" for s in (1, 2, 3)]
 
 
 def test_without_fallback_the_error_is_unchanged(root):

@@ -207,11 +207,11 @@ def test_train_gpt_resumes_past_a_corrupt_latest_checkpoint_under_max_restarts(t
     )
     assert re.search(r"step-00000008\b.*skipped", text), text  # rank 0's warning
     assert text.count(f"resumed from {first} (saved at world size 2") == 1, text  # no restart
-    assert "renamed step-00000008.skipped" in text, text
+    assert "aside as step-00000008.bad" in text, text  # by the Checkpointer, on rank 0
     assert sorted(p.name for p in a.glob("step-*")) == [
-        "step-00000004", "step-00000008", "step-00000008.skipped", "step-00000012",
+        "step-00000004", "step-00000008", "step-00000008.bad", "step-00000012",
     ]  # fmt: skip
-    assert (a / "step-00000008.skipped" / "metadata.json").read_bytes() == bytes(data)
+    assert (a / "step-00000008.bad" / "metadata.json").read_bytes() == bytes(data)
 
     ours, theirs = final_weights(a / "step-00000012"), final_weights(b / "step-00000012")
     assert ours.keys() == theirs.keys() and ours

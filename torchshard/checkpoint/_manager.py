@@ -10,12 +10,15 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError
+from .._log import get_logger
 from ._format import complete_checkpoints
 from ._load import load
 from ._save import CheckpointFuture, Writer
 from ._target import Checkpointable, CheckpointInfo
 
 __all__ = ["Checkpointer"]
+
+logger = get_logger(__name__)
 
 
 class Checkpointer:
@@ -97,10 +100,20 @@ class Checkpointer:
         a root) that every rank refuses, having changed nothing, is skipped for the next
         older one (``info.skipped`` says which and why). A ``path`` that is one checkpoint
         directory is loaded, or refused, as it is.
+
+        Once an older checkpoint has loaded, rank 0 renames each skipped one under this
+        Checkpointer's root to ``step-N.bad`` (kept, never deleted): the run will save
+        those steps again, and a later restart need not read them again. If none loads,
+        nothing is renamed.
         """
         self._writer.settle()
         where = self.root if path is None else path
-        return load(where, trainer, optimizer=optimizer, fallback=fallback)
+        info = load(where, trainer, optimizer=optimizer, fallback=fallback)
+        if info.skipped and getattr(trainer, "rank", 0) == 0:
+            for bad, _ in info.skipped:
+                if Path(bad).parent.resolve() == self.root.resolve():
+                    _set_aside(Path(bad))
+        return info
 
     @property
     def pinned_bytes(self) -> int:
@@ -122,3 +135,18 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _set_aside(path: Path) -> None:
+    """Rename a checkpoint that failed to load to ``<name>.bad`` (``.bad.1``, ... if taken),
+    a name that is no checkpoint: kept for a post-mortem, out of the way of the next save."""
+    target, n = path.with_name(path.name + ".bad"), 0
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.bad.{n}")
+    try:
+        path.rename(target)
+    except OSError as e:
+        logger.warning("could not set %s aside (%s); delete or move it before its step", path, e)
+        return
+    logger.warning("set the damaged checkpoint %s aside as %s", path, target.name)
