@@ -5,11 +5,14 @@ Gloo tolerates what NCCL does not: a collective one rank skips, or issues with a
 can pass unnoticed on gloo (or fail far from its cause) where NCCL hangs until its watchdog.
 So each rank records every ``torch.distributed`` collective it calls, by monkeypatching the
 ``torch.distributed`` module (torchshard calls ``dist.all_reduce`` etc. through
-``import torch.distributed as dist``), over a replicated and a sharded run: steps, a parameter
-used on one rank only, ``no_sync`` accumulation, a blocking and an async checkpoint save and a
-load. The logs are compared with each other, never with a hard-coded list: which collective
-torchshard uses for a job (``all_gather`` or ``all_gather_into_tensor``) may change; that every
-rank calls the same one may not.
+``import torch.distributed as dist``), over a replicated, a sharded and a fully sharded run:
+steps, a parameter used on one rank only, accumulation (in ``no_sync``, or without it in the
+fully sharded mode, whose hooks gather and reduce-scatter each unit as the forward and backward
+reach it), a blocking and an async checkpoint save and a load. The logs are compared with each
+other, never with a hard-coded list: which collective torchshard uses for a job (``all_gather``
+or ``all_gather_into_tensor``) may change; that every rank calls the same one may not. Only an
+``all_to_all_single``'s sizes may differ by rank (a save's exchange is uneven); they must agree
+pairwise: what rank p sends rank r is what rank r expects from rank p.
 
 What it catches, for example: a rank that sends the used-parameter mask in its own all-reduce
 only when it has a parameter without a gradient (rank 0 logs ``all_reduce(n=24)``, rank 1 logs
@@ -19,18 +22,18 @@ exchange issued from the background writer thread, or a tensor left on the CPU u
 
 from __future__ import annotations
 
-import functools
-import inspect
+import contextlib
 import itertools
 import os
 import threading
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from gpt import GPT, GPTConfig
 from multiprocess import run_distributed
+from probes import OBJECT_COLLECTIVES, Call, CollectiveLog
 from torch import nn
 
 import torchshard
@@ -39,112 +42,46 @@ from torchshard import DistributedTrainer, FlatParamModule, checkpoint
 CFG = GPTConfig.preset("tiny")
 BUCKET_MB = 0.01  # ~10 KB: the tiny GPT spreads over several buckets
 
-# Everything torch.distributed offers that communicates; whatever this torch lacks is skipped.
-COLLECTIVES = (
-    "all_reduce",
-    "reduce",
-    "broadcast",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "_all_gather_base",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "reduce_scatter_single",
-    "_reduce_scatter_base",
-    "all_to_all",
-    "all_to_all_single",
-    "all_reduce_coalesced",
-    "all_gather_coalesced",
-    "gather",
-    "scatter",
-    "barrier",
-    "monitored_barrier",
-)
-# Pickle over the wire, and on the CPU under NCCL: torchshard promises none.
-OBJECT_COLLECTIVES = (
-    "all_gather_object",
-    "broadcast_object_list",
-    "gather_object",
-    "scatter_object_list",
-)
-ROOTS = ("src", "dst", "group_src", "group_dst")  # must name the same rank everywhere
 
-
-class Call(NamedTuple):
-    phase: str
-    op: str
-    tensors: tuple[tuple[str, Any], ...]  # (argument, (numel, dtype, contiguous, device) or a list)
-    args: tuple[tuple[str, str], ...]  # the reduce op and roots
-    group: tuple[int, ...] | str
-    thread: str
-
-
-def describe(t: torch.Tensor) -> tuple[int, str, bool, str]:
-    return (t.numel(), str(t.dtype), t.is_contiguous(), str(t.device))
-
-
-class CollectiveLog:
-    """Records each call of a torch.distributed collective (while installed), then calls it."""
-
-    def __init__(self) -> None:
-        self.calls: list[Call] = []
-        self.phase = "setup"
-        self._real: dict[str, Any] = {}
-
-    def install(self) -> None:
-        for name in COLLECTIVES + OBJECT_COLLECTIVES:
-            real = getattr(dist, name, None)
-            if real is not None:
-                self._real[name] = real
-                setattr(dist, name, self._wrap(name, real))
-
-    def uninstall(self) -> None:
-        for name, real in self._real.items():
-            setattr(dist, name, real)
-        self._real.clear()
-
-    def _wrap(self, name: str, real: Any) -> Any:
-        sig = inspect.signature(real)
-
-        @functools.wraps(real)
-        def logged(*args: Any, **kwargs: Any) -> Any:
-            self._record(name, sig, args, kwargs)
-            return real(*args, **kwargs)
-
-        return logged
-
-    def _record(self, name: str, sig: inspect.Signature, args: tuple, kwargs: dict) -> None:
-        try:
-            bound = sig.bind(*args, **kwargs)
-            bound.apply_defaults()
-            named = dict(bound.arguments)
-        except TypeError:  # let the real call raise its own error
-            named = {f"arg{i}": a for i, a in enumerate(args)} | kwargs
-        tensors: list[tuple[str, Any]] = []
-        for arg, v in named.items():
-            if isinstance(v, torch.Tensor):
-                tensors.append((arg, describe(v)))
-            elif isinstance(v, (list, tuple)) and v and all(isinstance(t, torch.Tensor) for t in v):
-                tensors.append((arg, tuple(describe(t) for t in v)))
-        extra = [("op", str(named["op"]))] if named.get("op") is not None else []
-        extra += [(k, str(named[k])) for k in ROOTS if named.get(k) is not None]
-        group = named.get("group")
-        ranks = "default" if group is None else tuple(dist.get_process_group_ranks(group))
-        thread = threading.current_thread().name
-        self.calls.append(Call(self.phase, name, tuple(tensors), tuple(extra), ranks, thread))
+def comparable(call: Call | None) -> Call | None:
+    """The call as every rank must issue it: an ``all_to_all_single``'s sizes differ by rank
+    (a save's exchange sends each rank what it holds), so only its dtypes and layout count
+    there; :func:`split_mismatch` checks the sizes against each other."""
+    if call is None or call.op != "all_to_all_single":
+        return call
+    tensors = tuple((arg, (None, *d[1:])) for arg, d in call.tensors)
+    return call._replace(tensors=tensors, splits=None)
 
 
 def first_divergence(logs: list[list[Call]]) -> str | None:
     """Where the ranks' logs first differ (``None``: identical), with a little context."""
     for rank, log in enumerate(logs[1:], 1):
         for i, (a, b) in enumerate(itertools.zip_longest(logs[0], log)):
-            if a != b:
+            if comparable(a) != comparable(b):
                 before = logs[0][max(0, i - 2) : i]
                 return (
                     f"call {i}: rank 0 {a} vs rank {rank} {b}"
                     f"\n(the calls before, on rank 0: {before})"
                 )
+    return None
+
+
+def split_mismatch(logs: list[list[Call]]) -> str | None:
+    """Where an ``all_to_all_single`` sends what its peer does not expect (``None``: nowhere):
+    rank p's ``input_split_sizes[r]`` must be rank r's ``output_split_sizes[p]``, and each
+    list must add up to its tensor's length."""
+    exchanges = [[c for c in log if c.op == "all_to_all_single"] for log in logs]
+    for k, calls in enumerate(zip(*exchanges)):
+        for p, call in enumerate(calls):
+            sent, received = call.splits or (None, None)
+            if sent is None or received is None:
+                return f"exchange {k}, rank {p}: even splits, expected explicit sizes"
+            sizes = dict(call.tensors)
+            if sum(received) != sizes["output"][0] or sum(sent) != sizes["input"][0]:
+                return f"exchange {k}, rank {p}: splits {call.splits} vs tensors {sizes}"
+            for r, peer in enumerate(calls):
+                if sent[r] != peer.splits[1][p]:
+                    return f"exchange {k}: rank {p} sends {sent[r]} to rank {r}, which expects {peer.splits[1][p]}"  # fmt: skip
     return None
 
 
@@ -176,7 +113,7 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx[:, :-1], idx[:, 1:]
 
 
-def build(shard: bool, seed: int = 0) -> tuple[FlatParamModule, DistributedTrainer, Any]:
+def build(shard: bool | str, seed: int = 0) -> tuple[FlatParamModule, DistributedTrainer, Any]:
     torch.manual_seed(seed)
     fm = FlatParamModule(GPTWithAux(CFG))
     trainer = DistributedTrainer(fm, bucket_mb=BUCKET_MB, shard=shard)
@@ -187,7 +124,9 @@ def build(shard: bool, seed: int = 0) -> tuple[FlatParamModule, DistributedTrain
 def step(fm, trainer, step_no: int, use_aux: bool = True, micro: int = 1) -> None:
     rank = dist.get_rank()
     trainer.zero_grad()
-    with trainer.no_sync():
+    # the fully sharded mode has no no_sync: every backward reduce-scatters into the stripes
+    accumulate = contextlib.nullcontext() if trainer.shard == "full" else trainer.no_sync()
+    with accumulate:
         for m in range(micro - 1):
             fm(*batch(rank, 100 * step_no + m), use_aux=use_aux)[1].backward()
     fm(*batch(rank, 100 * step_no + micro), use_aux=use_aux)[1].backward()
@@ -196,8 +135,11 @@ def step(fm, trainer, step_no: int, use_aux: bool = True, micro: int = 1) -> Non
     trainer.step()
 
 
+SHARD = {"replicated": False, "sharded": True, "full": "full"}
+
+
 def _scenarios(mode: str, root: str) -> dict[str, Any]:
-    shard = mode == "sharded"
+    shard = SHARD[mode]
     rank = dist.get_rank()
     log = CollectiveLog()
     log.install()
@@ -211,7 +153,7 @@ def _scenarios(mode: str, root: str) -> dict[str, Any]:
         step(fm, trainer, 2, use_aux=rank == 0)
         log.phase = "step, aux used nowhere"
         step(fm, trainer, 3, use_aux=False)
-        log.phase = "no_sync accumulation"
+        log.phase = "accumulation"
         step(fm, trainer, 4, micro=3)
         step(fm, trainer, 5, use_aux=rank == 1, micro=2)
         log.phase = "save"
@@ -237,11 +179,11 @@ def _scenarios(mode: str, root: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("mode", ["replicated", "sharded"])
+@pytest.mark.parametrize("mode", list(SHARD))
 def test_every_rank_issues_the_same_collectives(mode, world_size, tmp_path):
     results = run_distributed(_scenarios, world_size, mode, str(tmp_path / "ckpt"), timeout=240)
     logs = [r["log"] for r in results]
-    problem = first_divergence(logs)
+    problem = first_divergence(logs) or split_mismatch(logs)
     assert problem is None, problem
     for rank, r in enumerate(results):
         for call in r["log"]:
@@ -253,8 +195,11 @@ def test_every_rank_issues_the_same_collectives(mode, world_size, tmp_path):
                 assert device == r["device"], f"{where}: on {device}, the trainer on {r['device']}"
     # The wrapper sees torchshard's calls (else the comparison above proves nothing).
     phases = {call.phase for call in logs[0]}
-    for phase in ("build", "step, every parameter used", "no_sync accumulation", "load"):
+    for phase in ("build", "step, every parameter used", "accumulation", "load"):
         assert phase in phases, f"no collective logged in {phase!r}: {sorted(phases)}"
+    if mode == "full":  # and the unit gathers its hooks issue
+        ops = {c.op for c in logs[0] if c.phase == "step, every parameter used"}
+        assert ops & {"broadcast", "all_gather_single", "all_gather_into_tensor"}, ops
 
 
 def test_first_divergence_names_the_call():
@@ -265,6 +210,28 @@ def test_first_divergence_names_the_call():
     assert "call 1: rank 0" in first_divergence([[bucket, mask], [bucket]])
     other = bucket._replace(tensors=(("tensor", (112, "torch.float32", True, "cpu")),))
     assert "rank 2" in first_divergence([[bucket], [bucket], [other]])
+
+
+def test_an_exchange_may_differ_in_sizes_only_where_its_peers_agree():
+    """``all_to_all_single``: sizes differ by rank and pass the comparison; a dtype does not;
+    a rank that sends more than its peer expects is named."""
+
+    def exchange(sent: tuple[int, ...], received: tuple[int, ...], dtype: str = "torch.float32"):
+        tensors = (
+            ("output", (sum(received), dtype, True, "cpu")),
+            ("input", (sum(sent), dtype, True, "cpu")),
+        )
+        return Call("save", "all_to_all_single", tensors, (), "default", "MainThread", (sent, received))  # fmt: skip
+
+    good = [[exchange((1, 2), (1, 3))], [exchange((3, 4), (2, 4))]]
+    assert first_divergence(good) is None and split_mismatch(good) is None
+    other_dtype = [good[0], [exchange((3, 4), (2, 4), "torch.bfloat16")]]
+    assert "call 0: rank 0" in first_divergence(other_dtype)
+    too_much = [good[0], [exchange((5, 4), (2, 4))]]
+    assert first_divergence(too_much) is None
+    assert "rank 1 sends 5 to rank 0, which expects 3" in split_mismatch(too_much)
+    even = [[exchange((1, 2), (1, 3))._replace(splits=(None, None))], good[1]]
+    assert "even splits" in split_mismatch(even)
 
 
 # -- in-place all_gather_into_tensor on gloo -------------------------------------------------------
