@@ -215,7 +215,7 @@ def edit_index(path: Path, edit: Any) -> None:
          "metadata.json: optimizer.param_groups[1].eps: expected a number >= 0, got -1"),
         (lambda d: flip_byte(d / INDEX, 0.5), f"{INDEX}: expected"),
         (lambda d: edit_index(d, lambda i: i["weight_map"].update({"wte.weight": "x"})),
-         f"{INDEX}: weight_map disagrees with metadata.json for ['wte.weight']"),
+         f"{INDEX}: weight_map disagrees with metadata.json for wte.weight;"),
         (lambda d: edit_index(d, lambda i: i["metadata"].update(total_size=1)),
          f"{INDEX}: metadata: expected"),
     ],

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, and_more
 from .._flat.layout import dtype_name
 from ._format import INDEX, METADATA, complete_checkpoints, index_json, resolve
 from ._metadata import Metadata, OptimMeta, read_metadata
@@ -213,7 +213,9 @@ def _index_problems(meta: Metadata, nbytes: dict[str, int]) -> list[str]:
             for k in want["weight_map"].keys() | set(have)
             if want["weight_map"].get(k) != have.get(k)
         )
-        problems.append(f"{path}: weight_map disagrees with {METADATA} for {wrong[:3]}; {fix}")
+        problems.append(
+            f"{path}: weight_map disagrees with {METADATA} for {and_more(wrong)}; {fix}"
+        )
     known = all(name in nbytes for name in meta.buffers)  # else a file's problem says why
     if index["metadata"] != want["metadata"] and known:
         problems.append(
