@@ -1,9 +1,13 @@
 """The step's hot path as a GPU sees it, checked on CPU (review: GPU readiness #3, #4, #7, #10).
 
-- No host reads in a step with every parameter used: a ``TorchDispatchMode`` counts
-  ``aten._local_scalar_dense`` (``.item()``, ``bool()``, ``int()``), ``aten.is_nonzero``
-  and ``aten.lift_fresh`` (``torch.tensor`` of Python data), and ``Tensor.tolist`` is
-  counted by patching it (it does not dispatch). On CUDA each is a host synchronization.
+- No host reads in a step with every parameter used, from ``zero_grad`` through the forward
+  (where the fully sharded mode gathers its units, from hooks) to ``step``: a
+  ``TorchDispatchMode`` (``probes.HostReads``) counts ``aten._local_scalar_dense``
+  (``.item()``, ``bool()``, ``int()``), ``aten.is_nonzero``, ``aten.lift_fresh``
+  (``torch.tensor`` of Python data), ``equal``, ``nonzero``, ``masked_select`` and the
+  ``unique`` ops, and ``Tensor.tolist`` is counted by patching it (it does not dispatch). On
+  CUDA each is a host synchronization. Controls: a read the step needs (an unused parameter)
+  is seen, and so is one in a forward hook.
 - One Python hook per parameter.
 - ``ReduceOp.AVG`` where the backend has it: gloo has none, so the op is emulated (a sum,
   then a division, as NCCL's average computes it at two ranks); the result must still equal
@@ -15,50 +19,20 @@ from __future__ import annotations
 import copy
 import gc
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from gpt import GPT, GPTConfig
 from multiprocess import run_distributed
+from probes import HostReads
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchshard import DistributedTrainer, FlatParamModule, TorchShardError
 
 CFG = GPTConfig.preset("tiny")
-
-HOST_READS = {"_local_scalar_dense", "is_nonzero", "lift_fresh"}
-
-
-class HostReads(TorchDispatchMode):
-    """Counts the ops that read a tensor's value on the host (a sync on CUDA)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: Counter[str] = Counter()
-        self._tolist = torch.Tensor.tolist
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in HOST_READS:
-            self.seen[name] += 1
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        counter, original = self.seen, self._tolist
-
-        def tolist(t: torch.Tensor):
-            counter["tolist"] += 1
-            return original(t)
-
-        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
-        return super().__exit__(*exc)
 
 
 class WithSpare(GPT):
@@ -81,20 +55,28 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx[:, :-1], idx[:, 1:]
 
 
-def _count_host_reads(shard: bool | str, dtype: str, unused: bool) -> dict[str, int]:
+def _count_host_reads(
+    shard: bool | str, dtype: str, unused: bool, read_in_a_hook: bool = False
+) -> dict[str, int]:
     rank = dist.get_rank()
     torch.manual_seed(0)
     fm = FlatParamModule(WithSpare(), dtype=getattr(torch, dtype))
     trainer = DistributedTrainer(fm, shard=shard, bucket_mb=0.01)
     # SGD reads nothing back (torch's single-tensor AdamW reads its step with .item())
     trainer.make_optimizer(torch.optim.SGD, lr=1e-2, momentum=0.9)
+    if read_in_a_hook:  # the control: a read where the fully sharded mode gathers a block
+
+        def read(_m: nn.Module, args: tuple[Any, ...]) -> None:
+            bool(args[0].isfinite().all())
+
+        fm.module.blocks[1].register_forward_pre_hook(read)
     total: Counter[str] = Counter()
     for step in range(3):
-        trainer.zero_grad()
-        # the spare head: used everywhere, or (unused=True) skipped by rank 1
-        loss = fm(*batch(rank, step), use_spare=not (unused and rank == 1))[1]
         counter = HostReads()
         with counter:
+            trainer.zero_grad()
+            # the spare head: used everywhere, or (unused=True) skipped by rank 1
+            loss = fm(*batch(rank, step), use_spare=not (unused and rank == 1))[1]
             loss.backward()
             trainer.average_gradients()
             trainer.clip_grad_norm_(1.0)
@@ -120,6 +102,14 @@ def test_the_counter_sees_the_read_an_unused_parameter_needs(shard):
     reads = run_distributed(_count_host_reads, 2, shard, "float32", True, timeout=120)
     assert reads[0] == {}
     assert reads[1].get("tolist", 0) >= 2 and reads[1].get("lift_fresh", 0) >= 2, reads
+
+
+@pytest.mark.parametrize("shard", [False, True, "full"])
+def test_the_counter_sees_a_read_in_a_forward_hook(shard):
+    # A read in a block's forward pre-hook, where the fully sharded mode gathers that block:
+    # counted once a step (2 steps counted), on every rank.
+    reads = run_distributed(_count_host_reads, 2, shard, "float32", False, True, timeout=120)
+    assert reads == [{"_local_scalar_dense": 2}] * 2, reads
 
 
 def _hooks_per_parameter() -> list[int]:
