@@ -52,9 +52,10 @@ def _counts(shard: bool | str) -> dict:
         model = Net()
     fm = FlatParamModule(model)
     trainer = DistributedTrainer(fm, shard=shard)
-    # The Quickstart's way; the fully sharded mode's parameters are unit buffers that get
-    # no .grad, so there an optimizer steps the stripes' tensors instead.
-    if shard == "full":
+    # The Quickstart's way; in the sharded modes an optimizer over fm.parameters() is
+    # refused (test_sharded_modes_refuse_an_optimizer_over_fm_parameters): one of the user's
+    # own steps the pieces the trainer shows instead.
+    if shard:
         params = [t for *_, t in trainer.optimizer_segments()]
     else:
         params = list(fm.parameters())
@@ -121,3 +122,32 @@ def _with_make_optimizer() -> dict:
 def test_make_optimizers_optimizer_is_counted_once():
     out = run_distributed(_with_make_optimizer, 1, timeout=120)[0]
     assert out["memory"] == out["oracle"] > 0
+
+
+def _refused(shard: bool | str) -> dict:
+    fm = FlatParamModule(Net())
+    trainer = DistributedTrainer(fm, shard=shard)
+    opt = torch.optim.AdamW(fm.parameters(), lr=1e-3)
+    fm(torch.randn(8, 16)).pow(2).mean().backward()
+    trainer.average_gradients()
+    out = {}
+    try:
+        opt.step()
+    except TorchShardError as e:
+        out["error"] = str(e)
+    try:  # every step, not only the first
+        opt.step()
+    except TorchShardError:
+        out["again"] = True
+    trainer.close()  # a closed trainer's parameters are anyone's again
+    opt.step()
+    out["after_close"] = True
+    return out
+
+
+@pytest.mark.parametrize("shard", [True, "full"], ids=["sharded", "full"])
+def test_sharded_modes_refuse_an_optimizer_over_fm_parameters(shard):
+    for world in (1, 2):
+        for r in run_distributed(_refused, world, shard):
+            assert "trainer.make_optimizer" in r["error"] and f"shard={shard!r}" in r["error"]
+            assert r["again"] and r["after_close"]

@@ -25,13 +25,31 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ._errors import TorchShardError
 
-__all__ = ["held_state_bytes", "stepped", "watch"]
+__all__ = ["allow", "forbid", "held_state_bytes", "stepped", "watch"]
 
 # id(optimizer) -> a weak reference whose callback drops the entry when the optimizer is
 # collected (callbacks run before its memory, and so its id, can be reused).
 _stepped: dict[int, weakref.ref[Any]] = {}
 _handle: Any = None
 _lock = threading.Lock()
+# id(parameter) -> (a weak reference to it, why no optimizer of the user's may step it): a
+# sharded trainer's fm.parameters(), which only make_optimizer's optimizer updates (through
+# pieces of its own). Checked at an optimizer's first step only.
+_forbidden: dict[int, tuple[weakref.ref[Any], str]] = {}
+
+
+def forbid(params: Iterable[torch.Tensor], why: str) -> None:
+    """Make the first step of any optimizer holding one of ``params`` raise ``why``."""
+    for p in params:
+        _forbidden[id(p)] = (weakref.ref(p), why)
+
+
+def allow(params: Iterable[torch.Tensor]) -> None:
+    """Undo :func:`forbid` (the trainer closed)."""
+    for p in params:
+        entry = _forbidden.get(id(p))
+        if entry is not None and entry[0]() is p:
+            del _forbidden[id(p)]
 
 
 def watch() -> None:
@@ -50,6 +68,12 @@ def _remember(optimizer: Any, _args: Any, _kwargs: Any) -> None:
     key = id(optimizer)
     if key in _stepped:  # every step after the first: this lookup is all it costs
         return
+    if _forbidden:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                entry = _forbidden.get(id(p))
+                if entry is not None and entry[0]() is p:
+                    raise TorchShardError(entry[1])
 
     def forget(ref: weakref.ref[Any]) -> None:
         if _stepped.get(key) is ref:

@@ -15,7 +15,7 @@ from .._exit import EXIT_TIMEOUT, destroy_group, drain, track, untrack
 from .._flat.geometry import Geometry
 from .._flat.module import FlatParamModule
 from .._log import get_logger
-from .._stepped import held_state_bytes
+from .._stepped import allow, forbid, held_state_bytes
 from .buckets import Bucket, plan_buckets
 from .full import FullyShard
 from .mode import Context, Mode, Segment
@@ -152,6 +152,15 @@ class DistributedTrainer:
             Coordinator(token, self.rank, self.world_size) if self.world_size > 1 else None
         )
         self._trainable = tuple(i for i, s in enumerate(layout.slots) if s.requires_grad)
+        if self._mode.sharded:  # a plain optimizer would update unreduced or absent gradients
+            forbid(
+                self._params,
+                f"optimizer: with shard={self.shard!r} an optimizer over fm.parameters() "
+                "would step gradients that are not the mean (shard=True reduces each rank's "
+                "slice only) or that never exist (shard='full'), and nothing would gather "
+                "the result; build it with trainer.make_optimizer(torch.optim.AdamW, lr=...) "
+                "and call trainer.step()",
+            )
         # NCCL averages natively (ReduceOp.AVG: a pre-multiplied sum, no extra pass).
         # Elsewhere a bucket is scaled by 1/world as it launches: float16 must be (it tops
         # out at 65504: a sum over ranks overflows where the mean would not), and the
@@ -537,6 +546,7 @@ class DistributedTrainer:
             return
         self._closed = True
         untrack(self)
+        allow(getattr(self, "_params", ()))
         coordinator = getattr(self, "_coordinator", None)  # None too when construction
         reducer = getattr(self, "_reducer", None)  # failed half-way
         if failed:
