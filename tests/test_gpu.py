@@ -9,7 +9,8 @@ the pinned-memory counters are per process.
 
 - sync-free step: ``torch.cuda.set_sync_debug_mode("error")`` around a steady-state training
   step (forward, backward, ``average_gradients``, ``clip_grad_norm_``, ``step``; every
-  parameter used), at 1 and 2 GPUs, both modes; and around the caller's part of
+  parameter used), at 1 and 2 GPUs, every mode (the fully sharded one with each Linear a
+  unit, so that its hooks gather, free and reduce-scatter); and around the caller's part of
   ``async_save`` (plain and fused AdamW).
 - staging race: the optimizer step is queued behind ``torch.cuda._sleep``; an ``async_save``
   right after it must stage the weights *after* the step, and a write right after the save
@@ -78,12 +79,34 @@ def _mlp(width: int = 64) -> nn.Module:
     return nn.Sequential(nn.Linear(32, width), nn.GELU(), nn.LayerNorm(width), nn.Linear(width, 8))
 
 
+# The fully sharded mode's units of the MLPs (by name; "auto" finds no nn.ModuleList in a
+# Sequential and would make the whole model one root unit, kept: nothing gathered from a hook):
+# each Linear a unit gathered, freed and reduce-scattered from its hooks, the LayerNorm between
+# them a root unit.
+MLP_UNITS = ["0", "3"]
+INTEGER_MLP_UNITS = ["0", "2"]
+
+
+def units_of(shard: bool | str, units: list[str]) -> dict[str, Any]:
+    """``units=`` for the fully sharded mode (the other modes take none)."""
+    return {"units": units} if shard == "full" else {}
+
+
+def assert_hooks_gather(trainer: DistributedTrainer) -> None:
+    """The fully sharded mode has units to gather and free from hooks, not one kept root."""
+    if trainer.shard == "full":
+        units = trainer._mode.units
+        assert len(units) > 1 and sum(not u.kept for u in units) >= 2, units
+
+
 def _trainer(
     device: torch.device, shard: bool | str = False, model: nn.Module | None = None, **opt_kw: Any
 ) -> tuple[FlatParamModule, DistributedTrainer, torch.optim.Optimizer]:
     torch.manual_seed(0)
     fm = FlatParamModule(model if model is not None else _mlp())
-    trainer = DistributedTrainer(fm, device=device, shard=shard, bucket_mb=0.001)
+    units = units_of(shard, MLP_UNITS) if model is None else {}
+    trainer = DistributedTrainer(fm, device=device, shard=shard, bucket_mb=0.001, **units)
+    assert_hooks_gather(trainer)
     opt = trainer.make_optimizer(torch.optim.AdamW, **{"lr": 1e-3, **opt_kw})
     return fm, trainer, opt
 
@@ -416,7 +439,9 @@ def _against_ddp(shard: bool | str, exact: bool) -> float:
     model = copy.deepcopy(ref)
     ddp = DDP(ref, device_ids=[device.index])
     fm = FlatParamModule(model)
-    trainer = DistributedTrainer(fm, device=device, shard=shard, bucket_mb=0.01)
+    units = units_of(shard, INTEGER_MLP_UNITS) if exact else {}  # the GPT has blocks: auto
+    trainer = DistributedTrainer(fm, device=device, shard=shard, bucket_mb=0.01, **units)
+    assert_hooks_gather(trainer)
     # exact: one SGD step of 1/2 keeps every value a dyadic fraction; else AdamW as the example
     cls, kw = (torch.optim.SGD, dict(lr=0.5)) if exact else (torch.optim.AdamW, dict(lr=1e-2, eps=1e-6))  # fmt: skip
     trainer.make_optimizer(cls, **kw)
