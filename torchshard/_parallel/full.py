@@ -278,7 +278,7 @@ class FullyShard(Mode):
             buf.untyped_storage().resize_(0)
         self.state[u] = FREE
 
-    def gather(self, u: int, *, wait: bool) -> None:
+    def gather_unit(self, u: int, *, wait: bool) -> None:
         """Start (and with ``wait``, finish) making unit ``u`` whole from the stripes."""
         if self.state[u] == FREE:
             buf = self.buf[u]
@@ -319,13 +319,31 @@ class FullyShard(Mode):
     def release(self, u: int) -> None:
         """Free unit ``u`` unless it is kept for the step or pinned by :meth:`gathered`."""
         if not self.units[u].kept and not self._pinned and self.state[u] != FREE:
-            self.gather(u, wait=True)  # never free under a collective in flight
+            self.gather_unit(u, wait=True)  # never free under a collective in flight
             self._free(u)
+
+    def gather(self, ctx: Context) -> None:
+        """The stripes changed (a load, an edit of ``trainer.optimizer_segments()``): the
+        units materialized now hold stale weights; gather them again (the others gather at
+        their next use anyway)."""
+        self.regather()
+
+    @torch.no_grad()
+    def regather(self) -> None:
+        """Gather again the units materialized now (kept for the step, or in
+        ``trainer.gathered()``) from the stripes. A collective when any is: the units'
+        states are the same on every rank (the same calls made them)."""
+        live = [u for u, buf in enumerate(self.buf) if buf.untyped_storage().nbytes()]
+        if not live:
+            return
+        self.release_all()
+        for u in live:
+            self.gather_unit(u, wait=True)
 
     def release_all(self) -> None:
         for u in range(len(self.units)):
             if self.state[u] != FREE:
-                self.gather(u, wait=True)
+                self.gather_unit(u, wait=True)
                 self._free(u)
 
     @contextlib.contextmanager
@@ -333,9 +351,9 @@ class FullyShard(Mode):
         self._pinned += 1
         try:
             for u in range(len(self.units)):
-                self.gather(u, wait=False)
+                self.gather_unit(u, wait=False)
             for u in range(len(self.units)):
-                self.gather(u, wait=True)
+                self.gather_unit(u, wait=True)
             yield
         finally:
             self._pinned -= 1
@@ -393,12 +411,12 @@ class FullyShard(Mode):
             return
         for u in self.units:
             if u.kept:
-                self.gather(u.index, wait=False)
+                self.gather_unit(u.index, wait=False)
         for u in self._ahead(-1, self.prefetch):
-            self.gather(u, wait=False)
+            self.gather_unit(u, wait=False)
         for u in self.units:
             if u.kept:
-                self.gather(u.index, wait=True)
+                self.gather_unit(u.index, wait=True)
 
     def _ahead(self, u: int, k: int, step: int = 1) -> list[int]:
         """The next ``k`` units after ``u`` (before it, ``step=-1``) that are not kept."""
@@ -413,11 +431,11 @@ class FullyShard(Mode):
         def hook(_m: nn.Module, args: tuple, kwargs: dict) -> Any:
             if self._pinned:
                 return None
-            self.gather(u, wait=True)
+            self.gather_unit(u, wait=True)
             if _in_backward():  # recomputation (activation checkpointing): only the weights
                 return None
             for v in self._ahead(u, self.prefetch):
-                self.gather(v, wait=False)
+                self.gather_unit(v, wait=False)
             if not torch.is_grad_enabled():
                 return None
             self.calls[u] += 1
@@ -458,10 +476,10 @@ class FullyShard(Mode):
 
     def _pre_backward(self, u: int) -> None:
         self._queue_end()
-        self.gather(u, wait=False)
+        self.gather_unit(u, wait=False)
         for v in self._ahead(u, self.prefetch, step=-1):
-            self.gather(v, wait=False)
-        self.gather(u, wait=True)
+            self.gather_unit(v, wait=False)
+        self.gather_unit(u, wait=True)
 
     def _post_backward(self, u: int) -> None:
         self.backs[u] += 1

@@ -92,7 +92,7 @@ class Materialize(TorchDispatchMode):
         o = self.owner
         if o.state[u] == FREE:
             if u in o._filled:
-                o.gather(u, wait=True)  # settled before: its values are the stripes'
+                o.gather_unit(u, wait=True)  # settled before: its values are the stripes'
             else:
                 o._alloc(u)
         if u in self.recent:

@@ -444,8 +444,10 @@ class DistributedTrainer:
         self._reducer.averaged = False
 
     def gather_slices(self) -> None:
-        """Sharded mode: copy the master slice into the flat buffer and all-gather every
-        rank's slice (after the slices were changed, e.g. by a load); otherwise nothing."""
+        """After this rank's part was changed other than by :meth:`step` (e.g. by a load):
+        ``shard=True`` copies the master slice into the flat buffer and all-gathers every
+        rank's slice; ``shard="full"`` gathers the units materialized now again from the
+        stripes; otherwise nothing. Every rank calls it."""
         self._mode.gather(self._ctx)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -149,11 +149,5 @@ class Stripes:
     @torch.no_grad()
     def regather(self) -> None:
         """The shard changed under the units that are materialized now (kept for the step,
-        or in ``trainer.gathered()``): gather them again from the new stripes. A collective
-        when any is: the units' states are the same on every rank (the same calls made them)."""
-        live = [u for u, buf in enumerate(self.mode.buf) if buf.untyped_storage().nbytes()]
-        if not live:
-            return
-        self.mode.release_all()
-        for u in live:
-            self.mode.gather(u, wait=True)
+        or in ``trainer.gathered()``): gather them again from the new stripes."""
+        self.mode.regather()
