@@ -37,7 +37,6 @@ import argparse
 import logging
 import math
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -55,8 +54,8 @@ from train_gpt import (
     load_corpus,
     load_data_state,
     make_loader,
+    overwrite_or_resume,
     parse_quietly,
-    resume,
     run_reporting_once,
 )
 
@@ -214,15 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # The checkpoint stores the model's transformers config: `torchshard consolidate`
     # turns it into a directory that from_pretrained loads.
     start = 0
-    if not args.resume and latest is not None:  # --overwrite
-        log.info("--overwrite: removing %s's old checkpoints", args.ckpt_dir)
-        if info.rank == 0:
-            for old in Path(args.ckpt_dir).glob("step-*"):
-                shutil.rmtree(old)
-        dist.barrier()  # no rank saves into the directory before they are gone
-    resumed = None
-    if args.resume:
-        resumed = resume(ckpt, trainer, opt, args.resume_from, latest, args.ckpt_dir)
+    resumed = overwrite_or_resume(args, ckpt, trainer, opt, latest)
     if resumed is not None:
         start = resumed.step
         load_data_state(sampler, resumed.extra, args.reset_data_position)

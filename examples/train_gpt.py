@@ -321,6 +321,26 @@ def decided_by_rank0(decide, device):
     return json.loads(bytes(buf.cpu().tolist()))
 
 
+def overwrite_or_resume(
+    args: argparse.Namespace,
+    ckpt: torchshard.checkpoint.Checkpointer | None,
+    trainer: torchshard.DistributedTrainer,
+    opt: torch.optim.Optimizer,
+    latest: str | None,
+) -> torchshard.checkpoint.CheckpointInfo | None:
+    """``--overwrite``: delete the earlier run's checkpoints (``latest``: rank 0's look);
+    ``--resume``/``--resume-from``: load one (see :func:`resume`). What was loaded, if any."""
+    if not args.resume and latest is not None:  # --overwrite
+        log.info("--overwrite: removing %s's old checkpoints", args.ckpt_dir)
+        if dist.get_rank() == 0:
+            for old in Path(args.ckpt_dir).glob("step-*"):
+                shutil.rmtree(old)
+        dist.barrier()  # no rank saves into the directory before they are gone
+    if not args.resume:
+        return None
+    return resume(ckpt, trainer, opt, args.resume_from, latest, args.ckpt_dir)
+
+
 def resume(
     ckpt: torchshard.checkpoint.Checkpointer | None,
     trainer: torchshard.DistributedTrainer,
@@ -501,15 +521,7 @@ def main(argv: list[str] | None = None) -> float:
         groups=[(no_decay, {"weight_decay": 0.0})],
     )
     start, elapsed = 0, 0.0  # steps and training seconds before this launch
-    if not args.resume and latest is not None:  # --overwrite
-        log.info("--overwrite: removing %s's old checkpoints", args.ckpt_dir)
-        if info.rank == 0:
-            for old in Path(args.ckpt_dir).glob("step-*"):
-                shutil.rmtree(old)
-        dist.barrier()  # no rank saves into the directory before they are gone
-    resumed = None
-    if args.resume:
-        resumed = resume(ckpt, trainer, opt, args.resume_from, latest, args.ckpt_dir)
+    resumed = overwrite_or_resume(args, ckpt, trainer, opt, latest)
     if resumed is not None:
         start, elapsed = resumed.step, resumed.extra.get("elapsed_s", 0.0)
         load_data_state(sampler, resumed.extra, args.reset_data_position)

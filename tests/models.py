@@ -22,6 +22,25 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx[:, :-1], idx[:, 1:]
 
 
+class Blocks(torch.nn.Module):
+    """The README's fully sharded block's shape: an input layer, ``n`` residual blocks in a
+    ``ModuleList`` (the fully sharded mode's units by default) and a head."""
+
+    def __init__(self, d_in: int = 16, width: int = 64, n: int = 4, d_out: int = 1) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(d_in, width)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(n)
+        )
+        self.head = torch.nn.Linear(width, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
 def tiny_hf_config(arch: str, **overrides: Any) -> Any:
     """A two-layer GPT-2 or Llama config, width 32, no dropout; ``overrides`` win."""
     import transformers

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from models import Blocks
 from multiprocess import run_distributed
 from test_parallel_launch import clean_env, torchrun
 from torch import nn
@@ -26,21 +27,8 @@ from torchshard import _exit
 
 
 def _blocks() -> nn.Module:
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Linear(8, 16)
-            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
-            self.head = nn.Linear(16, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x = self.embed(x)
-            for b in self.blocks:
-                x = x + b(x)
-            return self.head(x)
-
     torch.manual_seed(0)
-    return Net()
+    return Blocks(8, 16, 3, 2)
 
 
 def _heartbeats() -> list[threading.Thread]:

@@ -6,29 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import Blocks
 from multiprocess import run_distributed
-from torch import nn
 
 import torchshard
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(4, 8)
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for b in self.blocks:
-            x = x + b(x)
-        return self.head(x)
-
-
 def _edit_own_part_then_gather(shard: bool | str) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    trainer = torchshard.DistributedTrainer(torchshard.FlatParamModule(Net()), shard=shard)
+    trainer = torchshard.DistributedTrainer(
+        torchshard.FlatParamModule(Blocks(4, 8, 3)), shard=shard
+    )
     fm = trainer.module
     with trainer.gathered():  # whole before the change: gather_slices must refresh them
         with torch.no_grad():

@@ -8,24 +8,11 @@ import weakref
 
 import pytest
 import torch
+from models import Blocks as Net  # the README's fully sharded block's model: 4 units
 from multiprocess import run_distributed
 from torch import nn
 
 from torchshard import DistributedTrainer, FlatParamModule, TorchShardError
-
-
-class Net(nn.Module):  # the README's fully sharded block's model: 4 units and a root
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(16, 64)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4))
-        self.head = nn.Linear(64, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -55,10 +42,7 @@ def _counts(shard: bool | str) -> dict:
     # The Quickstart's way; in the sharded modes an optimizer over fm.parameters() is
     # refused (test_sharded_modes_refuse_an_optimizer_over_fm_parameters): one of the user's
     # own steps the pieces the trainer shows instead.
-    if shard:
-        params = [t for *_, t in trainer.optimizer_segments()]
-    else:
-        params = list(fm.parameters())
+    params = [t for *_, t in trainer.optimizer_segments()] if shard else list(fm.parameters())
     opt = torch.optim.AdamW(params, lr=1e-3)
     out = {"before": trainer.memory_bytes()["optimizer"]}
     for _ in range(3):
