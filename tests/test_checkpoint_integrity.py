@@ -23,6 +23,7 @@ Run as a script for the counts::
 
     python tests/test_checkpoint_integrity.py --count 1000            # world size 1
     python tests/test_checkpoint_integrity.py --count 300 --ranks 2   # sharded, 2 ranks
+    python tests/test_checkpoint_integrity.py --count 300 --ranks 2 --full  # fully sharded
     python tests/test_checkpoint_integrity.py --count 300 --resealed  # validation behind the seal
 """
 
@@ -79,7 +80,7 @@ def tokens(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx[:, :-1], idx[:, 1:]
 
 
-# -- the two setups: one process, and the sharded trainer at 2 ranks ------------------------
+# -- the setups: one process, and the sharded and fully sharded trainers at 2 ranks -------
 @dataclass
 class Live:
     """A model and optimizer that a load acts on (``obj`` is what ``load`` is given)."""
@@ -116,10 +117,10 @@ def make_single(seed: int, **hyper: Any) -> Live:
     return Live(fm, torch.optim.AdamW(groups, **hyper), fm)
 
 
-def make_sharded(seed: int, **hyper: Any) -> Live:
+def make_sharded(seed: int, shard: bool | str = True, **hyper: Any) -> Live:
     torch.manual_seed(seed)
     fm = torchshard.FlatParamModule(Model())
-    trainer = torchshard.DistributedTrainer(fm, shard=True)
+    trainer = torchshard.DistributedTrainer(fm, shard=shard)
     opt = trainer.make_optimizer(
         torch.optim.AdamW, groups=[(no_decay, {"weight_decay": 0.0})], weight_decay=0.1, **hyper
     )
@@ -163,13 +164,27 @@ def _groups_diff(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _weights(live: Live) -> torch.Tensor:
+    """Where ``live``'s weights are: the flat buffer, or with ``shard="full"`` (no flat
+    buffer; its parameters have no storage between steps) this rank's stripes, which a load
+    writes and the optimizer updates."""
+    if live.fm.flat_param is not None:
+        return live.fm.flat_param
+    assert live.trainer is not None and live.trainer.shard == "full"
+    return live.trainer._mode.shard
+
+
+def _stripes_only(live: Live) -> bool:
+    return live.fm.flat_param is None
+
+
 def snapshot(live: Live) -> dict[str, Any]:
-    flat = live.fm.flat_param
-    assert flat is not None
+    flat = _weights(live)
+    params = {} if _stripes_only(live) else dict(live.fm.module.named_parameters())
     return {
         "flat_ptr": flat.data_ptr(),
         "flat": flat.detach().clone(),  # with its padding, which a load leaves alone
-        "params": {n: p.detach().clone() for n, p in live.fm.module.named_parameters()},
+        "params": {n: p.detach().clone() for n, p in params.items()},
         "buffers": {n: b.detach().clone() for n, b in live.buffers().items()},
         "optim": copy.deepcopy(live.opt.state_dict()),
     }
@@ -178,7 +193,9 @@ def snapshot(live: Live) -> dict[str, Any]:
 def restore(live: Live, snap: dict[str, Any]) -> None:
     """Put ``live`` back to ``snap`` (the target's state before a load)."""
     with torch.no_grad():
-        live.fm.flat_param.copy_(snap["flat"])
+        _weights(live).copy_(snap["flat"])
+        if _stripes_only(live):  # no unit may stay gathered from the weights a load wrote
+            live.trainer._mode.release_all()
         for n, b in live.buffers().items():
             b.copy_(snap["buffers"][n])
     live.opt.load_state_dict(copy.deepcopy(snap["optim"]))
@@ -186,14 +203,15 @@ def restore(live: Live, snap: dict[str, Any]) -> None:
 
 def differences(live: Live, ref: dict[str, Any], own: bool = False) -> list[str]:
     """What in ``live`` is not bitwise ``ref`` (a snapshot): weights, buffers, optimizer;
-    ``own``: ``ref`` is a snapshot of ``live`` itself, whose flat buffer must stay in place."""
-    flat = live.fm.flat_param
-    assert flat is not None
+    ``own``: ``ref`` is a snapshot of ``live`` itself, whose flat buffer must stay in place.
+    A fully sharded ``live`` is compared by its stripes (against a fully sharded ``ref`` at
+    the same world size: the same layout), padding included."""
+    flat = _weights(live)
     out = []
     if own and flat.data_ptr() != ref["flat_ptr"]:
         out.append("the flat buffer was replaced")
-    if own and not same_bits(flat, ref["flat"]):
-        out.append("flat buffer")
+    if (own or _stripes_only(live)) and not same_bits(flat, ref["flat"]):
+        out.append("flat buffer" if own else "stripes")
     params = {n: p for n, p in live.fm.module.named_parameters()}
     out += [f"parameter {n}" for n, p in ref["params"].items() if not same_bits(params[n], p)]
     bufs = live.buffers()
@@ -489,13 +507,14 @@ def run_single(root: Path, count: int, seed: int, resealed: bool = False) -> dic
     return _run(live, path, saved, count, seed, resealed)
 
 
-def _sharded_worker(root: str, count: int, seed: int) -> dict[str, Any]:
-    """Every rank: save a sharded checkpoint, then load ``count`` corruptions of it."""
-    source = make_sharded(0, **SAVED_HYPER)
+def _sharded_worker(root: str, count: int, seed: int, shard: bool | str = True) -> dict[str, Any]:
+    """Every rank: save a sharded (or fully sharded) checkpoint, then load ``count``
+    corruptions of it."""
+    source = make_sharded(0, shard, **SAVED_HYPER)
     source.train(SAVED_STEP, seed=0)
     path = checkpoint.save(root, source.obj, step=SAVED_STEP, optimizer=source.opt, extra=EXTRA)
     saved = snapshot(source)
-    live = make_sharded(1, **TARGET_HYPER)
+    live = make_sharded(1, shard, **TARGET_HYPER)
     live.train(2, seed=1)
     try:
         return _run(live, path, saved, count, seed, resealed=False)
@@ -504,11 +523,14 @@ def _sharded_worker(root: str, count: int, seed: int) -> dict[str, Any]:
         live.trainer.close()
 
 
-def run_sharded(root: Path, count: int, seed: int, ranks: int = 2) -> dict[str, Any]:
+def run_sharded(
+    root: Path, count: int, seed: int, ranks: int = 2, shard: bool | str = True
+) -> dict[str, Any]:
     from multiprocess import run_distributed
 
     timeout = 60 + 0.5 * count
-    return run_distributed(_sharded_worker, ranks, str(root), count, seed, timeout=timeout)[0]
+    args = (str(root), count, seed, shard)
+    return run_distributed(_sharded_worker, ranks, *args, timeout=timeout)[0]
 
 
 def _explain(result: dict[str, Any]) -> str:
@@ -533,6 +555,14 @@ def test_sharded_2_ranks_no_corruption_loads_as_another_state(tmp_path):
     assert c["refused"] > 70, _explain(result)
 
 
+def test_full_2_ranks_no_corruption_loads_as_another_state(tmp_path):
+    """The fully sharded load reads each rank's stripes itself (no broadcast): its own path."""
+    result = run_sharded(tmp_path / "ckpt", count=120, seed=4, shard="full")
+    c = result["counts"]
+    assert c["wrong"] == 0 and c["other"] == 0, _explain(result)
+    assert c["refused"] > 70, _explain(result)
+
+
 def test_resealed_substitutions_never_load_an_invalid_value(tmp_path):
     result = run_single(tmp_path / "ckpt", count=160, seed=3, resealed=True)
     c = result["counts"]
@@ -544,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ranks", type=int, default=1, help="1: one process; 2+: sharded trainer")
+    p.add_argument("--full", action="store_true", help="with --ranks 2+: shard='full'")
     p.add_argument("--resealed", action="store_true", help="re-seal metadata.json after each edit")
     p.add_argument("--show", type=int, default=5, help="examples of each outcome to print")
     args = p.parse_args(argv)
@@ -553,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.ranks == 1:
             result = run_single(root, args.count, args.seed, args.resealed)
         else:
-            result = run_sharded(root, args.count, args.seed, args.ranks)
+            shard = "full" if args.full else True
+            result = run_sharded(root, args.count, args.seed, args.ranks, shard)
     for kind in OUTCOMES:
         print(f"{kind:<9} {result['counts'][kind]}")
     if args.resealed:
