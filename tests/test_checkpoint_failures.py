@@ -6,6 +6,8 @@ The failure is that rank's alone: a full disk (``RLIMIT_FSIZE`` set in that proc
 SIGXFSZ ignored so that ``write`` fails with EFBIG) on its first file, or an I/O error
 (EIO, from an audit hook) when it opens its optimizer-state file, its model file written.
 The other ranks write their files normally; they learn of the failure through the store.
+Sharded trainers (every rank writes weights and optimizer state), and fully sharded ones,
+whose save first moves the stripes into the files' ranges (an all-to-all inside ``save``).
 """
 
 from __future__ import annotations
@@ -55,9 +57,11 @@ def disarm(limit: tuple[int, int] | None) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
 
 
-def _one_rank_fails_mid_write(root: str, failing: int, how: str, use_async: bool) -> dict:
+def _one_rank_fails_mid_write(
+    root: str, failing: int, how: str, use_async: bool, shard: bool | str
+) -> dict:
     rank = dist.get_rank()
-    trainer = new_trainer(shard=True)  # every rank writes weights and optimizer state
+    trainer = new_trainer(shard=shard)  # every rank writes weights and optimizer state
     opt = trainer.optimizer
     train(trainer, range(1))
     checkpoint.save(root, trainer, step=1, optimizer=opt)
@@ -80,7 +84,7 @@ def _one_rank_fails_mid_write(root: str, failing: int, how: str, use_async: bool
         disarm(limit)
     dist.barrier()  # every rank's save is over
     out = {"error": error, "steps": [p.name for p in sorted(Path(root).glob("step-*"))]}
-    fresh = new_trainer(shard=True, seed=1)
+    fresh = new_trainer(shard=shard, seed=1)
     info = checkpoint.load(root, fresh, optimizer=fresh.optimizer)  # the latest: step 1
     out["loaded_step"], out["loaded"] = info.step, differences(flat_state(fresh), good)
     fresh.close()
@@ -90,27 +94,31 @@ def _one_rank_fails_mid_write(root: str, failing: int, how: str, use_async: bool
     return out
 
 
-CASES = [  # (world size, failing rank, how, async)
-    (2, 1, "efbig", False),
-    (2, 0, "efbig", True),
-    (3, 1, "eio", True),
-    (3, 0, "eio", False),
-    (3, 2, "efbig", True),
+CASES = [  # (world size, failing rank, how, async, shard)
+    (2, 1, "efbig", False, True),
+    (2, 0, "efbig", True, True),
+    (3, 1, "eio", True, True),
+    (3, 0, "eio", False, True),
+    (3, 2, "efbig", True, True),
+    (3, 1, "efbig", True, "full"),
+    (2, 0, "eio", False, "full"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("world_size", "failing", "how", "use_async"),
+    ("world_size", "failing", "how", "use_async", "shard"),
     CASES,
-    ids=[f"{w}ranks-rank{f}-{h}-{'async' if a else 'blocking'}" for w, f, h, a in CASES],
+    ids=[
+        f"{w}ranks-rank{f}-{h}-{'async' if a else 'blocking'}{'-full' if s == 'full' else ''}"
+        for w, f, h, a, s in CASES
+    ],
 )
 def test_one_rank_failing_mid_write_fails_the_save_on_every_rank(
-    tmp_path, world_size, failing, how, use_async
+    tmp_path, world_size, failing, how, use_async, shard
 ):
     root = tmp_path / "ckpt"
-    results = run_distributed(
-        _one_rank_fails_mid_write, world_size, str(root), failing, how, use_async, timeout=180
-    )
+    args = (str(root), failing, how, use_async, shard)
+    results = run_distributed(_one_rank_fails_mid_write, world_size, *args, timeout=180)
     reason = os.strerror(errno.EFBIG if how == "efbig" else errno.EIO)
     for rank, r in enumerate(results):
         message = r["error"]
