@@ -3,7 +3,8 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 1 \
         tests/fault_worker.py OUT_DIR --steps 12 --save-every 3 --kill 7:1:during-save
 
-Deterministic data per step, AdamW, a ``Checkpointer`` saving asynchronously every
+Deterministic data per step, AdamW, replicated (default), sharded (``--shard``) or fully
+sharded (``--shard full``: each Linear a unit), a ``Checkpointer`` saving asynchronously every
 ``--save-every`` steps and resuming from the latest checkpoint on start. ``--kill
 STEP:RANK:WHEN`` SIGKILLs that rank on the first attempt only (``TORCHELASTIC_RESTART_COUNT``
 is 0), at ``before-save`` (the step a save would start), ``during-save`` (inside the
@@ -41,10 +42,26 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--save-every", type=int, default=3)
     p.add_argument("--kill", default="", help="STEP:RANK:WHEN, first attempt only")
-    p.add_argument("--shard", action="store_true")
+    p.add_argument(
+        "--shard",
+        nargs="?",
+        const=True,
+        default=False,
+        type=shard_mode,
+        help="shard=True, or with 'full' shard='full'",
+    )
     p.add_argument("--blocking", action="store_true", help="wait for each save's commit")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0)
     return p.parse_args()
+
+
+def shard_mode(value: str) -> str:
+    if value != "full":
+        raise argparse.ArgumentTypeError(f"expected nothing or 'full', got {value!r}")
+    return value
+
+
+UNITS = ["0", "2", "4"]  # shard="full": each Linear a unit (the default makes one root unit)
 
 
 def model() -> nn.Module:
@@ -77,7 +94,8 @@ def main() -> None:
         kill_step, kill_rank = int(s), int(r)
 
     fm = torchshard.FlatParamModule(model())
-    trainer = torchshard.DistributedTrainer(fm, shard=args.shard)
+    units = {"units": UNITS} if args.shard == "full" else {}
+    trainer = torchshard.DistributedTrainer(fm, shard=args.shard, **units)
     rank, world = trainer.rank, trainer.world_size
     if args.shard:
         opt = trainer.make_optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
@@ -137,11 +155,13 @@ def main() -> None:
                 die(f"after step {done} was committed")
     ckpt.close()
 
-    # The final state, bitwise: the weights and this rank's optimizer state.
+    # The final state, bitwise: the weights and this rank's optimizer state (fully sharded:
+    # the gathered weights, and the optimizer state of this rank's stripes).
     out = args.out / f"final-rank{rank}"
     out.mkdir(exist_ok=True)
-    for name, p in fm.state_dict().items():
-        p.numpy().tofile(out / f"param-{name}.bin")
+    with trainer.gathered():  # (a copy: numpy() would pin the unit's storage, not freed after)
+        for name, p in fm.state_dict().items():
+            p.clone().numpy().tofile(out / f"param-{name}.bin")
     for i, st in enumerate(opt.state.values()):
         for k, v in st.items():
             torch.as_tensor(v).reshape(-1).numpy().tofile(out / f"opt-{i}-{k}.bin")
