@@ -20,6 +20,7 @@ from multiprocess import run_distributed
 from sharded_harness import KW, Heads, Model, batch, no_decay
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from torchshard import DistributedTrainer, FlatParamModule, RankMismatchError, TorchShardError
@@ -220,11 +221,6 @@ def _meta_init(hf: bool) -> dict:
             out["peak"], out["largest"] = mode.peak_transient, largest
             out["model"] = t.module.layout.numel * item
             out["units"] = len(mode.units)
-            with t.gathered():
-                out["buffers_ok"] = all(
-                    torch.equal(b, b2)
-                    for b, b2 in zip(t.module.module.buffers(), t.module.module.buffers())
-                )
         got[shard] = weights(t)
         t.close()
     for a, b in zip(got[False], got["full"]):
@@ -248,7 +244,7 @@ def test_meta_init_unit_by_unit_equals_todays_initialization(hf):
 
 
 # -- gradient accumulation, no_sync, activation checkpointing, options -------------------------
-def _accumulate() -> float:
+def _accumulate() -> dict:
     rank = dist.get_rank()
     torch.manual_seed(0)
     ref = Model()  # every parameter used: DDP without find_unused_parameters
@@ -260,11 +256,13 @@ def _accumulate() -> float:
     ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
     with pytest.raises(TorchShardError, match=r"no_sync.*shard=.full."), full.no_sync():
         pass
-    worst = 0.0
+    worst, reduced = 0.0, []
     for step in range(3):
         full.zero_grad()
         for micro in range(3):  # every backward reduce-scatters into the stripes
+            before = full.stats.bytes_reduced
             full.module(*batch(rank, 10 * step + micro))[1].backward()
+            reduced.append(full.stats.bytes_reduced - before)
         full.step()
         ref_opt.zero_grad()
         with ddp.no_sync():
@@ -277,12 +275,15 @@ def _accumulate() -> float:
             close(a, p, f"step {step}: {s.name}")
             worst = max(worst, (a - p).abs().max().item())
     full.close()
-    return worst
+    return {"worst": worst, "reduced": reduced}
 
 
 def test_gradient_accumulation_reduce_scatters_every_backward_and_no_sync_raises():
-    worst = run_distributed(_accumulate, 2, timeout=240)
-    assert max(worst) < 1e-5
+    results = run_distributed(_accumulate, 2, timeout=240)
+    assert max(r["worst"] for r in results) < 1e-5
+    for r in results:  # each of the 9 backwards reduce-scattered every unit, in backward
+        assert len(r["reduced"]) == 9 and r["reduced"][0] > 0, r
+        assert set(r["reduced"]) == {r["reduced"][0]}, r
 
 
 class Checkpointed(Model):
@@ -298,6 +299,11 @@ class Checkpointed(Model):
         return logits, loss * self.gain.mean()
 
 
+def unit_storage(t: DistributedTrainer) -> int:
+    """Bytes the fully sharded mode's unit buffers hold now: real storage, not its counter."""
+    return sum(b.untyped_storage().nbytes() for b in t._mode.buf)
+
+
 def _variants() -> dict:
     rank = dist.get_rank()
     variants = {
@@ -306,29 +312,65 @@ def _variants() -> dict:
         "prefetch 0": (Model, {"prefetch": 0}),
         "prefetch 2": (Model, {"prefetch": 2}),
         "kept after forward": (Model, {"reshard_after_forward": False}),
-        "units by class": (Model, {"units": [type(Model().blocks[0])]}),
-        "units by callable": (Model, {"units": lambda n, m: n in ("blocks.0", "blocks.1")}),
+        # units other than the default's (each block): each block's MLP; block 0 alone
+        "units by class": (Model, {"units": [nn.Sequential]}),
+        "units by callable": (Model, {"units": lambda n, m: n == "blocks.0"}),
     }
-    got, peaks = {}, {}
+    got, units = {}, {}
     for name, (cls, kw) in variants.items():
         torch.manual_seed(0)
         t = DistributedTrainer(FlatParamModule(cls(), align_bytes=4), shard="full", **kw)
         t.make_optimizer(torch.optim.AdamW, **ADAMW)
+        units[name] = [(u.name, u.kept) for u in t._mode.units]
         for step in range(3):
             t.zero_grad()
             t.module(*batch(rank, step))[1].backward()
             t.step()
-            assert t.memory_bytes()["transient"] == 0, name  # freed between steps
-        got[name], peaks[name] = weights(t), t._mode.peak_transient
+            # freed between steps: by the mode's counter, and in storage
+            assert t.memory_bytes()["transient"] == 0 and unit_storage(t) == 0, name
+        got[name] = weights(t)
         t.close()
     for name in variants:
         for a, b in zip(got["default"], got[name]):
             assert torch.equal(a, b), name
-    return peaks
+    return units
 
 
 def test_checkpointing_prefetch_and_units_options_train_bitwise_alike():
-    run_distributed(_variants, 2, timeout=240)
+    units = run_distributed(_variants, 2, timeout=240)[0]
+    root = [("<root gain..wpe.weight>", True), ("<root ln_f.weight..ln_f.bias>", True)]
+    assert units["default"] == [root[0], ("blocks.0", False), ("blocks.1", False), root[1]]
+    # the units= options act: each resolves to other units than the default
+    assert units["units by class"] == [
+        ("<root gain..blocks.0.ln_2.bias>", True),
+        ("blocks.0.mlp", False),
+        ("<root blocks.1.ln_1.weight..blocks.1.ln_2.bias>", True),
+        ("blocks.1.mlp", False),
+        root[1],
+    ], units["units by class"]
+    assert units["units by callable"] == [
+        root[0],
+        ("blocks.0", False),
+        ("<root blocks.1.ln_1.weight..ln_f.bias>", True),
+    ], units["units by callable"]
+    # (prefetch's effect on memory shows with more blocks: test_only_a_few_units_...)
+
+
+class UnitStorage(TorchDispatchMode):
+    """At every op: the real storage of the unit buffers, which must never exceed what the
+    mode counts as transient (weights and gradients); and its largest value."""
+
+    def __init__(self, t: DistributedTrainer) -> None:
+        super().__init__()
+        self.t, self.peak, self.undercounted = t, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        real, counted = unit_storage(self.t), self.t._mode.transient
+        self.peak = max(self.peak, real)
+        if real > counted and len(self.undercounted) < 3:
+            self.undercounted.append(f"{func}: {real} bytes gathered, {counted} counted")
+        return out
 
 
 def _peaks() -> dict:
@@ -336,6 +378,7 @@ def _peaks() -> dict:
     out = {}
     for name, kw in {
         "default": {},
+        "prefetch 0": {"prefetch": 0},
         "prefetch 2": {"prefetch": 2},
         "kept after forward": {"reshard_after_forward": False},
         "a head no rank uses": {},
@@ -354,15 +397,20 @@ def _peaks() -> dict:
             (2, BIG.block_size + 1),
             generator=torch.Generator().manual_seed(rank),
         )
+        storage = UnitStorage(t)
         for _ in range(2):
-            t.zero_grad()
-            t.module(idx[:, :-1], idx[:, 1:])[1].backward()
-            t.step()
+            with storage:
+                t.zero_grad()
+                t.module(idx[:, :-1], idx[:, 1:])[1].backward()
+                t.step()
+            assert unit_storage(t) == 0, name  # nothing stays gathered between steps
+        assert not storage.undercounted, (name, storage.undercounted)
         item = t.module.dtype.itemsize
         blocks = [g.total * item for u, g in zip(mode.units, mode.geoms) if not u.kept]
         kept = sum(g.total * item for u, g in zip(mode.units, mode.geoms) if u.kept)
         out[name] = {
             "peak": mode.peak_transient,
+            "stored": storage.peak,  # the unit weights alone, measured
             "block": max(blocks),
             "n": len(blocks),
             "kept": kept,
@@ -373,15 +421,24 @@ def _peaks() -> dict:
 
 def test_only_a_few_units_are_ever_gathered_at_once():
     r = run_distributed(_peaks, 2, timeout=240)[0]
-    d, p2, keep = r["default"], r["prefetch 2"], r["kept after forward"]
+    d, p0, p2, keep = r["default"], r["prefetch 0"], r["prefetch 2"], r["kept after forward"]
     # the planner's bound: kept units (weights and gradients), (3 + prefetch) blocks
     assert d["peak"] <= 2 * d["kept"] + 4 * d["block"], d
     u = r["a head no rank uses"]  # the blocks are not held back by the kept units
     assert u["peak"] <= 2 * u["kept"] + 4 * u["block"], u
     assert p2["peak"] <= 2 * p2["kept"] + 5 * p2["block"], p2
     assert d["peak"] < d["kept"] + d["n"] * d["block"]  # less than the whole model
+    # prefetch acts: each unit more ahead holds one block more at the peak
+    assert p0["peak"] < d["peak"] < p2["peak"], (p0, d, p2)
+    # measured in storage (weights only): the kept units and a few blocks, never more
+    for name, x in r.items():
+        assert x["kept"] < x["stored"] <= x["peak"], (name, x)
+    # the running block and `prefetch` more (the default's is 1)
+    for prefetch, x in enumerate((p0, d, p2)):
+        assert x["stored"] == x["kept"] + (1 + prefetch) * x["block"], (prefetch, x)
     # keeping every block from its forward to its backward holds them all at once
     assert keep["peak"] >= keep["kept"] + keep["n"] * keep["block"] > d["peak"]
+    assert keep["stored"] == keep["kept"] + keep["n"] * keep["block"], keep
 
 
 def _gathered() -> dict:
@@ -571,17 +628,33 @@ def test_full_in_a_world_of_one_trains_like_plain_pytorch():
     run_distributed(_world_of_one, 1, timeout=120)
 
 
-def _different_schedules() -> str:
+def _different_schedules(what: str) -> dict:
+    import torchshard._parallel.full as full_mode
+
+    calls = []  # sharding the weights: buffers filled and broadcast from src, units gathered
+    for method in ("adopt", "gather"):
+        real = getattr(full_mode.FullyShard, method)
+
+        def record(self, *a, _real=real, _name=method, **kw):
+            calls.append(_name)
+            return _real(self, *a, **kw)
+
+        setattr(full_mode.FullyShard, method, record)
+    rank = dist.get_rank()
+    kw = {"prefetch": 1 + rank} if what == "prefetch" else {"units": [["blocks.0"], "auto"][rank]}
     try:
-        DistributedTrainer(FlatParamModule(Model()), shard="full", prefetch=1 + dist.get_rank())
+        DistributedTrainer(FlatParamModule(Model()), shard="full", **kw)
     except RankMismatchError as e:
-        return str(e)
-    return "no error"
+        return {"message": str(e), "calls": calls}
+    return {"message": "no error", "calls": calls}
 
 
-def test_ranks_with_different_units_or_prefetch_are_refused_before_any_gather():
-    msgs = run_distributed(_different_schedules, 2, timeout=120)
-    assert all("ranks [1] built a different model than rank 0" in m for m in msgs), msgs
+@pytest.mark.parametrize("what", ["units", "prefetch"])
+def test_ranks_with_different_units_or_prefetch_are_refused_before_any_gather(what):
+    results = run_distributed(_different_schedules, 2, what, timeout=120)
+    for r in results:
+        assert "ranks [1] built a different model than rank 0" in r["message"], r
+        assert r["calls"] == [], r  # refused before the mode touched a weight
 
 
 def _one_op_over_every_unit() -> bool:
