@@ -3,7 +3,8 @@
 A persistent ``scale``, a persistent causal ``mask`` and a non-persistent lookup ``table``.
 Built on meta they are zeros; the check that says so fires at the first forward, so a
 checkpoint load (persistent buffers) or the user (non-persistent ones) can write them
-first. The oracle is the run that built the model for real and never stopped.
+first. The oracle is the run that built the model for real and never stopped. Replicated
+and fully sharded (whose trainer materializes the buffers itself, as it shards the weights).
 """
 
 from __future__ import annotations
@@ -45,24 +46,26 @@ def train(fm, trainer, opt, steps: range) -> None:
     for step in steps:
         opt.zero_grad()
         loss(fm, step, trainer.rank).backward()
-        trainer.average_gradients()
-        opt.step()
+        trainer.step()  # average, the optimizer's step, and (fully sharded) free the units
 
 
-def _meta_build_load_train(root: str) -> dict:
+def trainer_of(fm: torchshard.FlatParamModule, shard: bool | str):
+    trainer = torchshard.DistributedTrainer(fm, shard=shard)
+    return trainer, trainer.make_optimizer(torch.optim.AdamW, lr=1e-2)
+
+
+def _meta_build_load_train(root: str, shard: bool | str) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(0)
     fm = torchshard.FlatParamModule(Masked())
-    trainer = torchshard.DistributedTrainer(fm)
-    opt = torch.optim.AdamW(fm.parameters(), lr=1e-2)
+    trainer, opt = trainer_of(fm, shard)
     train(fm, trainer, opt, range(3))
     checkpoint.save(root, trainer, step=3, optimizer=opt)
 
     with torch.device("meta"):
         model = Masked()
     meta = torchshard.FlatParamModule(model)
-    resumed = torchshard.DistributedTrainer(meta)  # initializes: the buffers are still zeros
-    opt2 = torch.optim.AdamW(meta.parameters(), lr=1e-2)
+    resumed, opt2 = trainer_of(meta, shard)  # initializes: the buffers are still zeros
     assert meta.unwritten_buffers() == ["scale", "mask", "table"]
     checkpoint.load(root, resumed, optimizer=opt2)
     assert meta.unwritten_buffers() == ["table"]  # non-persistent: no checkpoint holds it
@@ -74,21 +77,25 @@ def _meta_build_load_train(root: str) -> dict:
     model.table.copy_(table())  # the user's part, as the message says
     train(fm, trainer, opt, range(3, 6))
     train(meta, resumed, opt2, range(3, 6))
-    out["same"] = all(
-        torch.equal(a, b) for a, b in zip(fm.state_dict().values(), meta.state_dict().values())
-    )
+    with trainer.gathered(), resumed.gathered():
+        out["same"] = all(
+            torch.equal(a, b) for a, b in zip(fm.state_dict().values(), meta.state_dict().values())
+        )
     out["same_buffers"] = all(
         torch.equal(a, b) for a, b in zip(fm.module.buffers(), model.buffers())
     )
-    out["hooks_left"] = len(model._forward_pre_hooks)
+    # the meta check's hook is gone: only the trainer's own are left (as on the oracle's)
+    out["hooks_left"] = len(model._forward_pre_hooks) - len(fm.module._forward_pre_hooks)
     trainer.close()
     resumed.close()
     return out
 
 
+@pytest.mark.parametrize("shard", [False, "full"], ids=["replicated", "full"])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_meta_built_model_with_buffers_resumes_from_a_checkpoint(tmp_path, world_size):
-    for out in run_distributed(_meta_build_load_train, world_size, str(tmp_path), timeout=90):
+def test_meta_built_model_with_buffers_resumes_from_a_checkpoint(tmp_path, world_size, shard):
+    args = (str(tmp_path), shard)
+    for out in run_distributed(_meta_build_load_train, world_size, *args, timeout=90):
         # every rank raises at the same forward (no rank left waiting in a collective)
         assert "buffer 'table' was built on the meta device" in out["error"], out
         assert "non-persistent" in out["error"] and "scale" not in out["error"], out
@@ -96,11 +103,11 @@ def test_meta_built_model_with_buffers_resumes_from_a_checkpoint(tmp_path, world
         assert out["hooks_left"] == 0, out
 
 
-def _never_written() -> str:
+def _never_written(shard: bool | str) -> str:
     with torch.device("meta"):
         model = Masked()
     fm = torchshard.FlatParamModule(model)
-    trainer = torchshard.DistributedTrainer(fm)  # src broadcasts its zeros: not a write
+    trainer = torchshard.DistributedTrainer(fm, shard=shard)  # src's zeros: not a write
     try:
         fm(torch.ones(1, 4, 8))
     except TorchShardError as e:
@@ -111,8 +118,9 @@ def _never_written() -> str:
     return message
 
 
-def test_buffers_nothing_wrote_raise_at_the_first_forward_on_every_rank():
-    for message in run_distributed(_never_written, 2, timeout=60):
+@pytest.mark.parametrize("shard", [False, "full"], ids=["replicated", "full"])
+def test_buffers_nothing_wrote_raise_at_the_first_forward_on_every_rank(shard):
+    for message in run_distributed(_never_written, 2, shard, timeout=60):
         assert "buffer 'scale' (and 2 more: ['mask', 'table'])" in message, message
         assert "load a checkpoint that holds it" in message, message
 
