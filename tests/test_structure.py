@@ -121,6 +121,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the tra
     },
     "checkpoint._manager": {
         "_errors",
+        "_log",  # fallback=True logs the damaged checkpoints it sets aside
         "checkpoint._format",
         "checkpoint._load",
         "checkpoint._save",
@@ -181,15 +182,26 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def internal_imports(path: Path) -> tuple[set[str], list[str]]:
-    """What ``path`` imports from torchshard (dotted paths; the package face is ``__init__``)."""
-    tree = ast.parse(path.read_text())
+def _absolute(name: str) -> str | None:
+    """``torchshard.x.y`` as a dotted path under torchshard (``torchshard``: ``__init__``)."""
+    if name == "torchshard":
+        return "__init__"
+    return name.removeprefix("torchshard.") if name.startswith("torchshard.") else None
+
+
+def internal_imports(path: Path, source: str | None = None) -> tuple[set[str], list[str]]:
+    """What ``path`` (or ``source`` as if it were there) imports from torchshard, relative or
+    absolute (dotted paths; the package face is ``__init__``), and the calls it makes."""
+    tree = ast.parse(path.read_text() if source is None else source)
     where = path.parent.relative_to(PACKAGE).parts
     found, calls = set(), []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level > 0:
             base = list(where[: len(where) - node.level + 1])
             found.add(".".join([*base, node.module] if node.module else base) or "__init__")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):  # absolute
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            found.update(m for n in names if n and (m := _absolute(n)) is not None)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             calls.append(node.func.id)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
@@ -203,6 +215,17 @@ def test_import_directions():
     for name, allowed in ALLOWED.items():
         found, _ = internal_imports(found_modules[name])
         assert found <= allowed, f"{name} imports {found - allowed}"
+
+
+def test_absolute_imports_are_seen_too():
+    layout = PACKAGE / "_flat" / "layout.py"
+    source = (
+        "import os\nfrom torchshard.checkpoint import _save\nimport torchshard._parallel.trainer\n"
+        "import torchshard\nfrom torchshard._flat import geometry\nfrom .geometry import Geometry\n"
+    )
+    found, _ = internal_imports(layout, source)
+    assert found == {"checkpoint", "_parallel.trainer", "__init__", "_flat", "_flat.geometry"}
+    assert not found <= ALLOWED["_flat.layout"]  # test_import_directions would fail on it
 
 
 def test_each_wing_imports_only_downward():
