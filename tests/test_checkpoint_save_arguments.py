@@ -184,12 +184,15 @@ def test_an_extra_with_keys_that_are_not_strings_is_refused(tmp_path, extra):
 
 
 def test_keep_last_true_is_refused(tmp_path):
-    with pytest.raises(CheckpointError, match="keep_last"):
-        checkpoint.Checkpointer(tmp_path, keep_last=True)
+    with pytest.raises(CheckpointError, match=r"^keep_last: "):
+        checkpoint.Checkpointer(tmp_path / "ckpt", keep_last=True)
+    assert not (tmp_path / "ckpt").exists()
 
 
 @pytest.mark.parametrize("name", ["timeout", "heartbeat_timeout"])
 @pytest.mark.parametrize("value", ["5", True, None])
 def test_a_timeout_that_is_no_number_is_a_checkpoint_error(tmp_path, name, value):
-    with pytest.raises(CheckpointError, match=name):
-        checkpoint.Checkpointer(tmp_path, **{name: value})
+    # the argument by its own name ("timeout" alone would match "heartbeat_timeout" too)
+    with pytest.raises(CheckpointError, match=rf"^{name}: "):
+        checkpoint.Checkpointer(tmp_path / "ckpt", **{name: value})
+    assert not (tmp_path / "ckpt").exists()

@@ -62,7 +62,7 @@ def test_each_sample_once_per_epoch_and_a_new_order_each_epoch():
     sampler = GlobalBatchSampler(48, 6, seed=3)
     epochs = [[i for b in sampler for i in b] for _ in range(3)]
     assert all(sorted(e) == list(range(48)) for e in epochs)
-    assert epochs[0] != epochs[1] != epochs[2]
+    assert epochs[0] != epochs[1] != epochs[2] != epochs[0]
     assert epochs[0] == [i for b in GlobalBatchSampler(48, 6, seed=3) for i in b]  # reproducible
     assert [i for b in GlobalBatchSampler(48, 6, seed=4) for i in b] != epochs[0]
     assert [i for b in GlobalBatchSampler(48, 6, shuffle=False) for i in b] == list(range(48))
