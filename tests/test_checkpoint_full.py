@@ -156,23 +156,26 @@ def test_full_at_1_saves_and_full_at_2_loads(tmp_path):
     check(run_distributed(_load, 2, str(root), str(expected), "full", "float32", timeout=180))
 
 
-def test_bf16_master_round_trips_between_full_and_sharded(tmp_path):
+@pytest.mark.parametrize(
+    ("saver", "loader", "world"),
+    [("full", True, 3), (True, "full", 3), ("full", "full", 2)],
+    ids=["full-to-sharded-at-3", "sharded-to-full-at-3", "full-to-full-at-2"],
+)
+def test_bf16_master_round_trips_between_full_and_sharded(tmp_path, saver, loader, world):
     """bf16 weights, fp32 master: full@2 -> shard=True@3, and shard=True@2 -> full@3, the
     master bit for bit (its low 16 bits are not in the bf16 weights); full@2 -> full@2
     continues bitwise."""
-    for saver, loader, world in (("full", True, 3), (True, "full", 3), ("full", "full", 2)):
-        tmp = tmp_path / f"{saver}-{loader}"
-        root, expected = tmp / "ckpt", tmp / "expected.pt"
-        run_distributed(_save, 2, str(root), str(expected), saver, "bfloat16", timeout=180)
-        want = torch.load(expected, weights_only=True)
-        assert (want["master"] != want["weights"].float()).float().mean() > 0.5  # a real test
-        meta = json.loads((root / f"step-{SAVE_AT:08d}" / "metadata.json").read_text())
-        assert meta["optimizer"]["flat_state"]["master"] == "float32"
-        more = saver == loader
-        results = run_distributed(
-            _load, world, str(root), str(expected), loader, "bfloat16", more, timeout=180
-        )
-        check(results, continued=more)
+    root, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
+    run_distributed(_save, 2, str(root), str(expected), saver, "bfloat16", timeout=180)
+    want = torch.load(expected, weights_only=True)
+    assert (want["master"] != want["weights"].float()).float().mean() > 0.5  # a real test
+    meta = json.loads((root / f"step-{SAVE_AT:08d}" / "metadata.json").read_text())
+    assert meta["optimizer"]["flat_state"]["master"] == "float32"
+    more = saver == loader
+    results = run_distributed(
+        _load, world, str(root), str(expected), loader, "bfloat16", more, timeout=180
+    )
+    check(results, continued=more)
 
 
 def _full_and_sharded(tmp: str, dtype: str) -> None:
