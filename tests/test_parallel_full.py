@@ -722,7 +722,7 @@ def _over_a_subgroup(uneven: bool) -> bool | None:
             t.step()
         got[shard] = weights(t)
         if shard == "full":
-            own = bool(t._mode.own_groups())
+            own = t._mode.made_groups
         t.close()
     for a, b in zip(got[False], got["full"]):
         assert torch.equal(a, b)

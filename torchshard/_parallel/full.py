@@ -186,7 +186,7 @@ class FullyShard(Mode):
             dist.get_global_rank(group, r) if group is not None else r for r in range(self.world)
         ]
         self.gather_group = self.rs_group = group
-        self.made_groups = False
+        self.made_groups = self.destroy_groups = False
         if self.world == 1:
             return
         backend = dist.get_backend(group)
@@ -202,7 +202,11 @@ class FullyShard(Mode):
         ranks = self.global_ranks
         self.gather_group = dist.new_group(ranks, backend=backend, use_local_synchronization=local)
         self.rs_group = dist.new_group(ranks, backend=backend, use_local_synchronization=local)
-        self.made_groups = True
+        # Destroyed at close() only over the default group: torch names a subgroup made with
+        # use_local_synchronization from its ranks and the number of groups its members know,
+        # so after a destroy the next trainer's group would get the same name, read the dead
+        # group's store keys and hang. Those stay until the default group goes.
+        self.made_groups, self.destroy_groups = True, not local
 
     @torch.no_grad()
     def _fill(
@@ -741,7 +745,7 @@ class FullyShard(Mode):
         self._order[kind].update(f"{u};".encode())
 
     def own_groups(self) -> tuple[dist.ProcessGroup, ...]:
-        return (self.rs_group, self.gather_group) if self.made_groups else ()
+        return (self.rs_group, self.gather_group) if self.destroy_groups else ()
 
     def order_digest(self) -> str:
         """A digest of the collectives issued so far, in order, on each of the mode's three
