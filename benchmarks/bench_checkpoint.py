@@ -26,10 +26,12 @@ deleted, then ``sync`` and (where permitted) ``echo 3 > /proc/sys/vm/drop_caches
    (and step diff) over the time the blocking save's call held the loop, and its lost time
    over the blocking loop's lost time, in that round.
 3. Resume: save at world 2 (fresh processes, gloo, 1 thread per rank), then --resume-repeats
-   rounds of one load at each of world 2, 3 and 1, in an order rotated every round, each in
-   fresh processes (a resume starts that way), page cache dropped before it: max over ranks
-   of ``checkpoint.load`` (wall and CPU); bytes_read summed over ranks. Per round, the ratio
-   world 3 / world 2.
+   rounds of one load at each of world 2, 3, 1 and 4, in an order rotated every round, each
+   in fresh processes (a resume starts that way), page cache dropped before it: max over
+   ranks of ``checkpoint.load`` (wall and CPU), the CPU of every rank (``process_time``: its
+   gloo threads too) and the collectives it issued; bytes_read summed over ranks. Per round,
+   the ratios world 3 / world 2, 4 / 2 and 1 / 2; CPU per rank falling with the world size as
+   the bytes per rank do is the check (a world-size penalty shows as a slope).
 4. Host memory, a fresh process each: peak RSS increase over the RSS before of a blocking
    save, a load into a fresh optimizer, ``save_file``, DCP ``async_save``; the RSS after each
    of 5 async ``Checkpointer`` saves.
@@ -315,15 +317,26 @@ def rank_load(root: str, cfg: dict) -> dict:
     dist.barrier()
     cold = drop_caches() if dist.get_rank() == 0 else None
     dist.barrier()
+    calls: list[str] = []
+    real = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counted(name: str):
+        return lambda *a, **k: calls.append(name) or real[name](*a, **k)
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counted(name))
     c0, t0 = time.process_time(), now()
     info = checkpoint.load(root, trainer, optimizer=opt)
     wall, cpu = now() - t0, time.process_time() - c0
+    for name in COLLECTIVES:
+        setattr(dist, name, real[name])
     trainer.close()
     return {"load_s": wall, "cpu_s": cpu, "bytes_read": info.bytes_read, "cold": cold,
-            "weights_sum": weights_sum(fm)}  # fmt: skip
+            "collectives": len(calls), "weights_sum": weights_sum(fm)}  # fmt: skip
 
 
-WORLDS = (2, 3, 1)
+WORLDS = (2, 3, 1, 4)
+COLLECTIVES = ("broadcast", "all_gather", "all_gather_single", "all_gather_into_tensor")
 
 
 def part_resume(work: Path, cfg: GPTConfig, repeats: int) -> dict:
@@ -344,6 +357,10 @@ def part_resume(work: Path, cfg: GPTConfig, repeats: int) -> dict:
 
     out["max_over_ranks_s"] = {w: per_round(w, "load_s") for w in WORLDS}
     out["max_over_ranks_cpu_s"] = {w: per_round(w, "cpu_s") for w in WORLDS}
+    out["cpu_per_rank_s"] = {
+        w: [[r["cpu_s"] for r in rnd[w]] for rnd in out["rounds"]] for w in WORLDS
+    }
+    out["collectives"] = {w: out["rounds"][0][w][0]["collectives"] for w in WORLDS}
     out["bytes_read_sum"] = {
         w: max(sum(r["bytes_read"] for r in rnd[w]) for rnd in out["rounds"]) for w in WORLDS
     }
@@ -354,7 +371,7 @@ def part_resume(work: Path, cfg: GPTConfig, repeats: int) -> dict:
             kind: [x / y for x, y in zip(per_round(a, key), per_round(b, key))]
             for kind, key in (("wall", "load_s"), ("cpu", "cpu_s"))
         }
-        for a, b in ((3, 2), (1, 2))
+        for a, b in ((3, 2), (4, 2), (1, 2))
     }
     return out
 
@@ -431,13 +448,14 @@ def report(r: dict) -> dict:
     print(format_table(heads, rows, title))
     rows = [(f"load at world {w}", f"{median(res['max_over_ranks_s'][w]):.2f}",
              span(res["max_over_ranks_s"][w]), f"{median(res['max_over_ranks_cpu_s'][w]):.2f}",
-             fmt_bytes(res["bytes_read_sum"][w]), f"{res['read_ratio'][w]:.3f}")
-            for w in WORLDS]  # fmt: skip
+             f"{median([sum(c) / len(c) for c in res['cpu_per_rank_s'][w]]):.2f}",
+             fmt_bytes(res["bytes_read_sum"][w]), f"{res['read_ratio'][w]:.3f}",
+             res["collectives"][w]) for w in sorted(WORLDS)]  # fmt: skip
     save2 = max(s["save_s"] for s in res["save_ranks"])
     title = (f"\ncheckpoint {fmt_bytes(res['checkpoint_bytes'])} saved at world 2 in {save2:.2f} s;"
              f" load: max over ranks, median of {r['args']['resume_repeats']} rounds, page cache "
              f"{'dropped' if res['cold_cache'] else 'NOT dropped (warm)'}")  # fmt: skip
-    heads = ["3. resume", "wall s", "min-max", "CPU s", "read", "/ ckpt"]
+    heads = ["3. resume", "wall s", "min-max", "CPU s", "CPU/rank", "read", "/ ckpt", "colls"]
     print(format_table(heads, rows, title))
     rows = [(k, fmt_bytes(m["peak_increase"]), fmt_bytes(m["rss_after"] - m["rss_before"]),
              f"{m['peak_increase'] / m['state_bytes']:.2f}")
@@ -455,6 +473,8 @@ def report(r: dict) -> dict:
                         ("lost: async / dcp", 0.5), ("load: world 3 / world 2", 1.3)):  # fmt: skip
         if key in paired:
             print(f"{key} (wall, <= {target}): {verdict(paired[key]['wall'], target)}")
+    cpu = paired["load: world 3 / world 2"]["cpu"]
+    print(f"load: world 3 / world 2 (CPU, max over ranks, <= 0.8): {verdict(cpu, 0.8)}")
     read = max(res["read_ratio"].values())
     print(f"bytes read / checkpoint, max over worlds (<= 1.05): {read:.3f}")
     print(f"RSS after save 5 / after save 2: {rss[4] / rss[1]:.3f}")

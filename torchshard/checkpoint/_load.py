@@ -29,7 +29,7 @@ from .._log import get_logger
 from ._format import METADATA, complete_checkpoints, resolve
 from ._metadata import Metadata, Readers, read_metadata
 from ._optim import MASTER, OptimizerView, group_problem, restore_group_values
-from ._plan import overlap, state_ranges
+from ._plan import gather_ranges, overlap, state_ranges
 from ._rules import OPTIMIZER_RULES
 from ._target import Checkpointable, CheckpointInfo, Target
 
@@ -91,13 +91,58 @@ def _check_compatible(meta: Metadata, t: Target, optimizer: torch.optim.Optimize
         )
 
 
+Parts = list[tuple[int, int, int]]
+"""``(start, end, at)``: flat elements ``[start, end)`` are ``[at, at + end - start)`` of what
+is read."""
+
+
+def _packed(ranges: list[tuple[int, int]]) -> Parts:
+    """``ranges`` read one after the other into one tensor."""
+    out, at = [], 0
+    for a, b in ranges:
+        out.append((a, b, at))
+        at += b - a
+    return out
+
+
+def _zero_gaps(into: torch.Tensor, written: list[tuple[int, int]]) -> None:
+    """Zero what no read wrote (alignment gaps, a stripe's padding), range by range: the rest
+    was read, so the buffer is allocated empty rather than zeroed whole."""
+    pos = 0
+    for a, b in sorted(written):
+        if a > pos:
+            into[pos:a].zero_()
+        pos = max(pos, b)
+    if pos < into.numel():
+        into[pos:].zero_()
+
+
+def _read_state(
+    readers: Readers, files: list[tuple[str, int, int]], key: str, parts: Parts, into: torch.Tensor
+) -> list[tuple[int, int]]:
+    """Read flat state ``key``'s ``parts`` from the optimizer files into ``into``; the ranges
+    of ``into`` written."""
+    written = []
+    for file, fs, fe in files:
+        for rs, re, at in parts:
+            ov = overlap((fs, fe), (rs, re))
+            if ov is not None:
+                a, b = ov
+                readers[file].read_into(key, a - fs, b - fs, into[at + a - rs : at + b - rs])
+                written.append((at + a - rs, at + b - rs))
+    return written
+
+
 def _read_share(
     meta: Metadata, t: Target, optimizer: torch.optim.Optimizer | None, readers: Readers
 ) -> dict[str, Any]:
-    """Read this rank's element range of weights and optimizer state, and the buffers, to host.
+    """Read this rank's part of the weights and optimizer state, and the buffers, to host.
 
-    A fully sharded rank reads its stripes instead, into tensors laid out like its shard:
-    each rank reads exactly what it holds, and nothing is exchanged after.
+    What every rank ends up holding whole (the weights; a replicated optimizer's state) is
+    read in equal parts plus a short tail (:func:`~._plan.gather_ranges`), so that one
+    all-gather per tensor completes it; a sharded optimizer's state is read for this rank's
+    range. A fully sharded rank reads its stripes instead, into tensors laid out like its
+    shard: each rank reads exactly what it holds, and nothing is exchanged after.
 
     Into plain (pageable) host memory, also for a CUDA trainer: each byte crosses to
     the device once, and page-locking it first would cost about as much as the faster
@@ -106,12 +151,16 @@ def _read_share(
     """
     layout = t.fm.layout
     s, e = state_ranges(layout, t.world)[t.rank]
-    # (start, end, at): flat elements [start, end) go to [at, at + end - start) of what is read
+    own = optimizer is not None and optimizer is t.sharded_optimizer
     if t.stripes is None:
-        mine, numel = [(s, e, 0)], e - s
+        mine = _packed(gather_ranges(layout.numel, t.world, t.rank))
+        numel = sum(b - a for a, b, _ in mine)
+        parts, state_numel = ([(s, e, 0)], e - s) if own else (mine, numel)
     else:
         mine, numel = t.stripes.ranges(), t.stripes.shard.numel()
-    weights = torch.zeros(numel, dtype=layout.torch_dtype)
+        parts, state_numel = mine, numel
+    weights = torch.empty(numel, dtype=layout.torch_dtype)
+    written = []
     for shard in meta.weights:
         lo, hi = shard["slots"]
         for slot in layout.slots[lo:hi]:
@@ -123,6 +172,8 @@ def _read_share(
                 a, b = ov
                 dst = weights[at + a - rs : at + b - rs]
                 readers[shard["file"]].read_into(slot.name, a - slot.offset, b - slot.offset, dst)
+                written.append((at + a - rs, at + b - rs))
+    _zero_gaps(weights, written)
     buffers = {}
     for name, want in t.buffers().items():
         file = meta.buffers[name]
@@ -134,26 +185,22 @@ def _read_share(
     if optimizer is not None:
         assert meta.optim is not None
         takes_master = OptimizerView.of(optimizer, t).has_master
-        # On CPU a replicated optimizer's state is read straight into full-size tensors:
-        # they only become live in load_state_dict, after every rank has succeeded.
-        full = t.device.type == "cpu" and optimizer is not t.sharded_optimizer
+        # On CPU a replicated optimizer's state is read straight into full-size tensors, in
+        # place: they only become live in load_state_dict, after every rank has succeeded,
+        # and the all-gather fills the rest (the files cover every element).
+        full = t.device.type == "cpu" and not own and t.stripes is None
         for key, dtype in meta.optim.flat_state.items():
             if key == MASTER and not takes_master:
                 continue
             if full:
-                host = torch.zeros(layout.numel, dtype=dtype)
-                into = host[s:e]
+                host = torch.empty(layout.numel, dtype=dtype)
+                _read_state(readers, meta.optim.files, key, [(a, b, a) for a, b, _ in parts], host)
             else:
-                host = into = torch.zeros(numel, dtype=dtype)
-            for file, fs, fe in meta.optim.files:
-                for rs, re, at in mine:
-                    ov = overlap((fs, fe), (rs, re))
-                    if ov is not None:
-                        a, b = ov
-                        dst = into[at + a - rs : at + b - rs]
-                        readers[file].read_into(key, a - fs, b - fs, dst)
+                host = torch.empty(state_numel, dtype=dtype)
+                _zero_gaps(host, _read_state(readers, meta.optim.files, key, parts, host))
             state[key] = host
-    return {"range": (s, e), "weights": weights, "buffers": buffers, "optim": state}
+    return {"range": (s, e), "parts": mine, "weights": weights, "buffers": buffers,
+            "optim": state}  # fmt: skip
 
 
 def _agree(t: Target, error: str | None, path: Path) -> _Refusal | None:
@@ -173,21 +220,47 @@ def _agree(t: Target, error: str | None, path: Path) -> _Refusal | None:
     return None
 
 
+# Backends whose all-gather goes through a temporary: gloo's all-gathers into a new tensor
+# of the whole output and copies it out (an extra pass over every byte, and its page faults:
+# at 1 GB saved at 2, 3x the CPU of the broadcasts it replaced), while its broadcast receives
+# in place. There the ranks' parts go by broadcast, all started at once.
+BROADCAST_BACKENDS = frozenset({"gloo"})
+
+
+def _gather_parts(full: torch.Tensor, b: int, t: Target, *, by_broadcast: bool) -> list[dist.Work]:
+    """Start exchanging every rank's part ``[r * b, (r + 1) * b)`` of ``full``, so that every
+    rank holds ``full[:world * b]``: one in-place all-gather (NCCL's in-place condition), or
+    one broadcast per rank; their handles, not waited for."""
+    if t.world == 1 or b == 0:
+        return []
+    if by_broadcast:
+        return [
+            dist.broadcast(
+                full[q * b : (q + 1) * b], t.global_rank(q), group=t.group, async_op=True
+            )
+            for q in range(t.world)
+        ]
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    mine = full[t.rank * b : (t.rank + 1) * b]
+    return [gather(full[: t.world * b], mine, group=t.group, async_op=True)]
+
+
 @torch.no_grad()
 def _apply(
     meta: Metadata, t: Target, share: dict[str, Any], optimizer: torch.optim.Optimizer | None
 ) -> None:
     layout = t.fm.layout
-    ranges = state_ranges(layout, t.world)
-    s, e = share["range"]
+    s = share["range"][0]
+    parts: Parts = share["parts"]
+    pending: list[dist.Work] = []
+    by_broadcast = t.world > 1 and dist.get_backend(t.group) in BROADCAST_BACKENDS
 
-    def fill(full: torch.Tensor, mine: torch.Tensor) -> None:
-        if mine.data_ptr() != full[s:e].data_ptr():
-            full[s:e].copy_(mine, non_blocking=True)
-        if t.world > 1:
-            for q, (a, b) in enumerate(ranges):
-                if b > a:
-                    dist.broadcast(full[a:b], t.global_rank(q), group=t.group)
+    def fill(full: torch.Tensor, mine: torch.Tensor | None) -> None:
+        """This rank's parts of ``full`` from ``mine`` (``None``: read in place), then the
+        exchange of the rest, started, not waited for."""
+        for a, b, at in parts if mine is not None else ():
+            full[a:b].copy_(mine[at : at + b - a], non_blocking=True)
+        pending.extend(_gather_parts(full, layout.numel // t.world, t, by_broadcast=by_broadcast))
 
     if t.stripes is not None:
         # the stripes, in the shard's dtype: a bf16 buffer's fp32 master is the bf16 weights
@@ -197,11 +270,13 @@ def _apply(
         flat = t.fm.flat_param
         assert flat is not None
         fill(flat, share["weights"])
-    t.refresh_master()  # a saved master slice, if any, overrides it below
     live = t.buffers()
     for name, value in share["buffers"].items():
         live[name].copy_(value)
     if optimizer is None:
+        for work in pending:
+            work.wait()
+        t.refresh_master()
         return
     assert meta.optim is not None
     view = OptimizerView.of(optimizer, t)
@@ -224,10 +299,13 @@ def _apply(
             flat_state[key] = host.to(t.device, copy=True)
         elif host.numel() == layout.numel:  # read in place (CPU): only the exchange is left
             flat_state[key] = host
-            fill(host, host[s:e])
+            fill(host, None)
         else:
-            flat_state[key] = torch.zeros(layout.numel, dtype=host.dtype, device=t.device)
+            flat_state[key] = torch.empty(layout.numel, dtype=host.dtype, device=t.device)
             fill(flat_state[key], host)
+    for work in pending:  # the weights and the state, gathered at once
+        work.wait()
+    t.refresh_master()  # a saved master slice, if any, overrides it below
     segment = {id(seg.tensor): seg for seg in view.segments}
     scalars, stateful = meta.optim.scalar_state, meta.optim.stateful
     rules = meta.optim.rules

@@ -22,6 +22,7 @@ __all__ = [
     "Piece",
     "SharePlan",
     "exchange_splits",
+    "gather_ranges",
     "overlap",
     "plan_share",
     "state_ranges",
@@ -52,6 +53,22 @@ def state_ranges(layout: FlatLayout, world_size: int) -> list[tuple[int, int]]:
     """Each rank's range ``[start, end)`` of flat optimizer state, in elements (aligned):
     the sharded trainer's slices, cut at the end of the layout."""
     return Geometry.of(layout, world_size, pad=True).clipped(layout.numel)
+
+
+def gather_ranges(numel: int, world_size: int, rank: int) -> list[tuple[int, int]]:
+    """What rank ``rank`` reads of a tensor of ``numel`` elements that every rank ends up
+    holding whole: its equal part ``[rank * b, (rank + 1) * b)``, ``b = numel // world_size``,
+    then the tail ``[world_size * b, numel)`` (fewer than ``world_size`` elements) that every
+    rank reads itself. The equal parts are what one in-place all-gather of
+    ``[0, world_size * b)`` exchanges: one collective per tensor, whatever the world size.
+
+    Example::
+
+        gather_ranges(10, 3, 1)  # [(3, 6), (9, 10)]
+    """
+    b = numel // world_size
+    out = [(rank * b, (rank + 1) * b)] if b else []
+    return out + ([(world_size * b, numel)] if world_size * b < numel else [])
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import ctypes
 import json
 import math
 import os
+import re
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,15 +52,17 @@ try:  # the same CRC-32, 4-5x faster than zlib's where ISA-L is installed (the `
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # pragma: no cover - depends on the environment
     _crc32 = zlib.crc32
+_HEX = re.compile("[0-9a-f]+")
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit
 _WRITE_BLOCK = 64 * 2**20
+_READ_BLOCK = 64 * 2**20  # the most one read in place asks for
 
 
 def _is_hex(text: object, digits: int | None = None) -> bool:
     """Lowercase hex digits only (``int(x, 16)`` would also take ``0x``, ``+``, ``_``, spaces)."""
     if not isinstance(text, str) or not text or (digits is not None and len(text) != digits):
         return False
-    return all(c in "0123456789abcdef" for c in text)
+    return _HEX.fullmatch(text) is not None
 
 
 def bytes_of(t: torch.Tensor) -> memoryview:
@@ -278,7 +281,7 @@ class SafetensorsReader:
         self.path = Path(path)
         self.record = record
         self.bytes_read = 0
-        self._cached: tuple[int, bytes] | None = None
+        self._cached: tuple[int, bytearray] | None = None
         try:
             self._f = open(self.path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
         except OSError as e:
@@ -399,34 +402,56 @@ class SafetensorsReader:
         self._read_into(self.data_start + e.begin + start * item, bytes_of(dst))
 
     def _read_into(self, offset: int, out: memoryview) -> None:
+        """Read ``len(out)`` bytes at file ``offset`` into ``out``, verifying every chunk they
+        touch. Whole chunks are read straight into ``out``, many per call, and checked there;
+        only a chunk cut by either end goes through a buffer (the last one is kept: the next
+        range usually starts in it)."""
         if self.record is None:
             self._pread(offset, out)
             return
         chunk, base = self.chunk_bytes, self.data_start
         pos, end = offset - base, offset - base + len(out)  # within the data section
+        data_end = self.size - base
         while pos < end:
             index = pos // chunk
+            first = index * chunk
+            if pos == first and min(first + chunk, data_end) <= end:
+                # whole chunks (the data's short last one too): read in place, up to
+                # _READ_BLOCK at a time (at least one chunk)
+                stop = min(end, pos + _READ_BLOCK)
+                if stop != data_end:
+                    stop -= stop % chunk
+                view = out[pos - (offset - base) : stop - (offset - base)]
+                self._pread(base + pos, view)
+                for i in range(index, -(-stop // chunk)):
+                    lo = (i - index) * chunk
+                    self._check(i, view[lo : lo + chunk])
+                pos = stop
+                continue
             data = self._chunk(index)
-            lo = pos - index * chunk
+            lo = pos - first
             take = min(end - pos, len(data) - lo)
             out[pos - (offset - base) : pos - (offset - base) + take] = data[lo : lo + take]
             pos += take
 
-    def _chunk(self, index: int) -> bytes:
+    def _check(self, index: int, data: memoryview | bytearray) -> None:
+        if _crc32(data) != self.crc32[index]:
+            start = self.data_start + index * self.chunk_bytes
+            raise CheckpointError(
+                f"{self.path}: checksum mismatch in bytes [{start}, {start + len(data)}); "
+                "the file is corrupt, restore it or load an earlier checkpoint"
+            )
+
+    def _chunk(self, index: int) -> bytearray:
         if self._cached is not None and self._cached[0] == index:
             return self._cached[1]
         chunk = self.chunk_bytes
         start = self.data_start + index * chunk
-        n = min(chunk, self.size - start)
-        buf = bytearray(n)
+        buf = bytearray(min(chunk, self.size - start))
         self._pread(start, memoryview(buf))
-        if _crc32(buf) != self.crc32[index]:
-            raise CheckpointError(
-                f"{self.path}: checksum mismatch in bytes [{start}, {start + n}); "
-                "the file is corrupt, restore it or load an earlier checkpoint"
-            )
-        self._cached = (index, bytes(buf))
-        return self._cached[1]
+        self._check(index, buf)
+        self._cached = (index, buf)  # never written to after this
+        return buf
 
     def _pread(self, offset: int, out: memoryview) -> None:
         done = 0
