@@ -3,7 +3,7 @@
 # checkpoint; later the run continues at another world size. The final weights are
 # compared, bit for bit, with the same schedule run without the fault.
 #
-#   bash examples/fault_tolerance.sh              # about a minute on 2 CPU cores
+#   bash examples/fault_tolerance.sh              # about 20 s on 2 CPU cores
 #   STEPS=40 KILL=25 bash examples/fault_tolerance.sh
 #
 # The recipe is the launch line: `torchrun --max-restarts N` plus a script that resumes

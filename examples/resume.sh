@@ -2,7 +2,7 @@
 # Train a transformers Llama at 2 ranks, stop halfway, resume the same checkpoint at 1 and
 # at 3 ranks, export the result for transformers, and load it there.
 #
-#   bash examples/resume.sh                  # about a minute on 2 CPU cores
+#   bash examples/resume.sh                  # about 75 s on 2 CPU cores
 #   STEPS=20 bash examples/resume.sh         # shorter
 #
 # Anything in ARGS goes to every run of examples/finetune_hf.py (e.g. ARGS="--shard").
