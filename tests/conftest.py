@@ -102,3 +102,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _as_at_exit():
+    """After each test, what interpreter exit does: close the trainers it left open and destroy
+    the process group init_distributed made (since close() leaves that to exit). The tests
+    share a process, and a later one may need to start uninitialized."""
+    yield
+    from torchshard import _exit
+
+    _exit._at_exit()

@@ -86,6 +86,10 @@ def test_a_closed_trainer_leaves_no_hook_behind():
     assert not any(r() is trainer for r in _exit._open)
     with pytest.raises(torchshard.TorchShardError, match="closed"):
         trainer.average_gradients()
+    # init_distributed's world of one outlives close() (torn down at exit, or by the user):
+    # this pytest process goes on to other tests that start uninitialized
+    assert dist.is_initialized()
+    dist.destroy_process_group()
 
 
 def _run(script: str, tmp_path: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
@@ -114,13 +118,12 @@ with torch.device("meta"):
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 4))
 fm = torchshard.FlatParamModule(model)
 trainer = torchshard.DistributedTrainer(fm, shard=MODE)
-opt = torch.optim.AdamW(fm.parameters(), lr=1e-3)
+opt = trainer.make_optimizer(torch.optim.AdamW, lr=1e-3)
 for step in range(5):
-    opt.zero_grad()
+    trainer.zero_grad()
     loss = nn.functional.cross_entropy(fm(torch.randn(8, 32)), torch.randint(0, 4, (8,)))
     loss.backward()
-    trainer.average_gradients()
-    opt.step()
+    trainer.step()
     FAIL
 END
 """

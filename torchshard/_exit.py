@@ -125,6 +125,7 @@ def _at_exit() -> None:
     with _lock:
         objs = [o for o in (r() for r in reversed(_open)) if o is not None]
         _open.clear()
+    owned = _owns_default_group
     for obj in objs:
         try:
             obj._close(failed=failed)
@@ -134,4 +135,5 @@ def _at_exit() -> None:
         destroy_owned_group()
     except Exception:
         logger.debug("process group teardown at exit failed", exc_info=True)
-    drain()
+    if objs or owned:
+        drain()
