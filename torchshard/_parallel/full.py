@@ -745,7 +745,8 @@ class FullyShard(Mode):
         self._order[kind].update(f"{u};".encode())
 
     def own_groups(self) -> tuple[dist.ProcessGroup, ...]:
-        return (self.rs_group, self.gather_group) if self.destroy_groups else ()
+        # getattr: a trainer whose construction failed before _groups() is closed at exit too
+        return (self.rs_group, self.gather_group) if getattr(self, "destroy_groups", False) else ()
 
     def order_digest(self) -> str:
         """A digest of the collectives issued so far, in order, on each of the mode's three
