@@ -24,9 +24,16 @@ FLAT = {  # the buffer: imports nothing from parallelism or checkpointing
 PARALLEL = {  # data parallelism: the trainer core, one file per mode, the protocol
     "_parallel.buckets": {"_flat.layout"},
     "_parallel.memory": {"_errors", "_flat.geometry", "_flat.layout", "_parallel.units"},
-    "_parallel.mode": {"_flat.geometry", "_flat.module", "_parallel.buckets"},
+    "_parallel.mode": {
+        "_flat.geometry",
+        "_flat.module",
+        "_parallel.buckets",
+        "_parallel.shards",
+        "_parallel.units",
+    },
+    "_parallel.shards": set(),
     "_parallel.replicated": {"_parallel.buckets", "_parallel.mode"},
-    "_parallel.sharded": {"_parallel.buckets", "_parallel.mode"},
+    "_parallel.sharded": {"_parallel.buckets", "_parallel.mode", "_parallel.shards"},
     "_parallel.reducer": {"_errors", "_parallel.buckets", "_parallel.mode"},
     "_parallel.setup": {
         "_dist",
@@ -36,7 +43,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_flat.views",
         "_parallel.mode",
     },
-    "_parallel.state": {"_dist", "_flat.module", "_parallel.mode"},
+    "_parallel.state": {"_dist", "_flat.module", "_parallel.mode", "_parallel.shards"},
     "_parallel.units": {"_errors", "_flat.geometry", "_flat.layout"},
     "_parallel.full_support": set(),
     "_parallel.full": {
@@ -48,6 +55,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_parallel.full_support",
         "_parallel.mode",
         "_parallel.reducer",
+        "_parallel.shards",
         "_parallel.units",
     },
     "_parallel.trainer": {
@@ -64,6 +72,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_parallel.replicated",
         "_parallel.setup",
         "_parallel.sharded",
+        "_parallel.shards",
         "_parallel.units",
         "_stepped",
     },

@@ -13,6 +13,7 @@ from ._flat.layout import FlatLayout, ParamSlot
 from ._flat.module import FlatParamModule
 from ._log import set_log_ranks
 from ._parallel.memory import RankMemory, plan_memory
+from ._parallel.shards import LocalShards, MemoryStats
 from ._parallel.trainer import CommStats, DistributedTrainer
 from .data import GlobalBatchSampler
 
@@ -29,6 +30,8 @@ __all__ = [
     "FlatParamModule",
     "GlobalBatchSampler",
     "LayoutError",
+    "LocalShards",
+    "MemoryStats",
     "ParamSlot",
     "RankMemory",
     "RankMismatchError",

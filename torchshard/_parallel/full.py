@@ -44,6 +44,7 @@ from .buckets import Bucket
 from .full_support import FREE, HEAP, PENDING, READY, Materialize, PostBackward
 from .mode import Context, Mode, Segment
 from .reducer import CommStats
+from .shards import LocalShards
 from .units import Unit, UnitSpec, resolve_units, unit_geometry
 
 __all__ = ["FullyShard"]
@@ -725,6 +726,17 @@ class FullyShard(Mode):
         if self.shard_dtype == self.dtype:
             return 0
         return 2 * self.shard.numel() * self.shard.element_size()
+
+    def local_shards(self, ctx: Context) -> LocalShards:
+        every = [g.clipped(u.numel) for u, g in zip(self.units, self.geoms)]
+        regions = [(u.start, u.end) for u in self.units]
+        return LocalShards.of(self.shard, regions, every, self.rank, self.offsets)
+
+    def after_load(self, ctx: Context) -> None:
+        self.regather()
+
+    def reset_peak(self) -> None:
+        self.peak_transient = self.transient
 
     def own_reducer(self) -> FullReducer:
         return FullReducer(self)

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from .._flat.geometry import Geometry
 from .._flat.module import FlatParamModule
 from .buckets import Bucket
+from .shards import LocalShards
+from .units import Unit
 
 __all__ = ["Context", "Mode", "Segment"]
 
@@ -94,6 +96,10 @@ class Mode:
     """What one reduction covers, for the log: ``stats.buckets`` counts these."""
     bytes_gathered: int = 0
     """Bytes of weights all-gathered so far (at the full buffer's size)."""
+    units: tuple[Unit, ...] | list[Unit] = ()
+    """The units the mode gathers and frees one at a time (``shard="full"``)."""
+    peak_transient: int = 0
+    """The most transient bytes held at once since construction or :meth:`reset_peak`."""
     divides_first: bool = False
     """Without a native average, scale each bucket by ``1/world_size`` as it launches
     (DDP's order: the bucket is warm, the pass overlaps backward, none is left after)."""
@@ -193,6 +199,16 @@ class Mode:
     def fingerprint(self) -> str:
         """Compared across ranks at construction: ranks must agree on the buffers' shape."""
         return "-"
+
+    def local_shards(self, ctx: Context) -> LocalShards | None:
+        """What this rank's optimizer updates of the flat buffer (``None``: whole weights)."""
+        return None
+
+    def after_load(self, ctx: Context) -> None:
+        """A load wrote the weights: refresh what is derived from them now."""
+
+    def reset_peak(self) -> None:
+        """Start :attr:`peak_transient` again from what is held now."""
 
     def refresh_master(self, ctx: Context) -> None:
         """The weights changed other than by a step (a load): refresh derived copies."""

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from .buckets import Bucket
 from .mode import Context, Mode, Segment
+from .shards import LocalShards
 
 __all__ = ["ShardedOptimizer"]
 
@@ -123,6 +124,11 @@ class ShardedOptimizer(Mode):
         if self._master is not None:
             s0, e0 = ctx.geometry.range(ctx.rank)
             self._master.copy_(ctx.flat[s0:e0])
+
+    def local_shards(self, ctx: Context) -> LocalShards:
+        numel = ctx.fm.layout.numel
+        every = ctx.geometry.clipped(numel)
+        return LocalShards.of(self._params(ctx), [(0, numel)], [every], ctx.rank, [0])
 
     def master_bytes(self) -> int:
         tensors = (self._master, self._master_grad)

@@ -14,8 +14,9 @@ import torch.distributed as dist
 from .._dist import Coordinator
 from .._flat.module import FlatParamModule
 from .mode import Segment
+from .shards import LocalShards, MemoryStats
 
-__all__ = ["TrainState"]
+__all__ = ["LocalShards", "MemoryStats", "TrainState"]
 
 
 @runtime_checkable
@@ -26,8 +27,8 @@ class TrainState(Protocol):
     rank: int
     world_size: int
     device: torch.device
-    shard: bool
-    """The optimizer built by ``make_optimizer`` holds this rank's slice only."""
+    shard: bool | str
+    """The mode's label: ``False`` (replicated), ``True`` (optimizer sharded) or ``"full"``."""
     group_names: list[list[str]]
     """Parameter names per param group of that optimizer, on every rank alike."""
 
@@ -52,6 +53,11 @@ class TrainState(Protocol):
         """The weights were loaded: refresh the copies derived from them."""
         ...
 
-    def gather_slices(self) -> None:
-        """Each rank loaded its slice: make every rank's weights whole."""
+    def local_shards(self) -> LocalShards | None:
+        """What this rank's optimizer updates of the flat buffer (``None``: whole weights)."""
+        ...
+
+    def after_load(self) -> None:
+        """A load wrote the weights (the flat buffer or the local shards): refresh what the
+        trainer derives from them now (units gathered at the moment)."""
         ...

@@ -23,7 +23,8 @@ from .reducer import CommStats, Reducer
 from .replicated import Replicated
 from .setup import assert_in_sync, bind_buffers, check_same_model, native_mean, pick_device
 from .sharded import ShardedOptimizer
-from .units import UnitSpec
+from .shards import LocalShards, MemoryStats
+from .units import Unit, UnitSpec
 
 __all__ = ["CommStats", "DistributedTrainer"]
 
@@ -486,6 +487,58 @@ class DistributedTrainer:
             mine.append(self.module.flat_param)
         opt = held_state_bytes(self._optimizer, optimizer, mine)
         return self._mode.memory(self._ctx, opt)
+
+    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryStats:
+        """:meth:`memory_bytes` as a :class:`MemoryStats`, with the peak of ``transient``
+        since construction or :meth:`reset_peak_memory`.
+
+        Example::
+
+            trainer.reset_peak_memory()
+            trainer.step()
+            stats = trainer.memory_stats()
+            print(stats.persistent, stats.peak_transient)
+        """
+        m = self.memory_bytes(optimizer)
+        return MemoryStats(**m, peak_transient=max(self._mode.peak_transient, m["transient"]))
+
+    def reset_peak_memory(self) -> None:
+        """Start ``memory_stats().peak_transient`` again from what is held now (as
+        ``torch.cuda.reset_peak_memory_stats`` does for the allocator).
+
+        Example::
+
+            trainer.reset_peak_memory()   # measure one step's peak only
+        """
+        self._mode.reset_peak()
+
+    @property
+    def units(self) -> tuple[Unit, ...]:
+        """The units a fully sharded trainer gathers one at a time (``()`` in the other
+        modes): what :func:`torchshard.plan_memory` takes as ``units=``.
+
+        Example::
+
+            plan = torchshard.plan_memory(fm.layout, world, shard="full", units=trainer.units)
+        """
+        return tuple(self._mode.units)
+
+    def local_shards(self) -> LocalShards | None:
+        """What this rank's optimizer updates of the flat buffer: its runs of the flat
+        buffer and where they lie in the tensor (``None``: every rank holds every weight).
+
+        Example::
+
+            shards = trainer.local_shards()
+            mine = sum(end - start for start, end, _ in shards.runs) if shards else 0
+        """
+        return self._mode.local_shards(self._ctx)
+
+    def after_load(self) -> None:
+        """A load wrote the weights (the flat buffer or :meth:`local_shards`' tensor):
+        gather the units that are materialized now again (``shard="full"``; a collective
+        then, every rank calls it). The checkpoint layer calls it."""
+        self._mode.after_load(self._ctx)
 
     def check_collective_order(self) -> None:
         """Raise :class:`RankMismatchError` on every rank if the ranks issued different
