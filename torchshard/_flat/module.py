@@ -19,7 +19,14 @@ from .hf import (
     restore_declared_ties,
 )
 from .layout import FlatLayout, ParamSlot
-from .views import Owners, install_grad_hooks, overlaps, warn_if_still_held, zero_gaps
+from .views import (
+    Owners,
+    install_grad_hooks,
+    overlaps,
+    swap_in,
+    warn_if_still_held,
+    zero_gaps,
+)
 
 __all__ = ["FlatParamModule"]
 
@@ -171,29 +178,25 @@ class FlatParamModule(nn.Module):
             grad = torch.empty(self.numel, dtype=self.dtype, device=flat.device)
             zero_gaps(grad, self.layout)
 
-        owners = Owners(self.module)
         replaced: list[tuple[str, weakref.ref[torch.Tensor], int]] = []
-        with torch.no_grad():
-            for index, slot in enumerate(self.layout):
-                old = owners.get(slot.name)
-                view = flat[slot.offset : slot.end].view(slot.shape)
-                if copy and old.device.type != "meta":
-                    view.copy_(old)
-                    replaced.append((slot.name, weakref.ref(old), old.nbytes))
-                new = nn.Parameter(view, requires_grad=slot.requires_grad)
-                new.__dict__.update(old.__dict__)  # user attributes set on the parameter
-                if slot.requires_grad:
-                    assert grad is not None
-                    gview = grad[slot.offset : slot.end].view(slot.shape)
-                    if old.grad is not None:
-                        if copy:
-                            gview.copy_(old.grad)
-                        new.grad = gview
-                    install_grad_hooks(new, gview, index, self._grad_listener)
-                for name in slot.names:
-                    owners.set(name, new)
-                del old, new  # release the old storage now, not at the end of the loop
-            warn_if_still_held(replaced)
+
+        def take_over(index: int, slot: ParamSlot, old: torch.Tensor, new: nn.Parameter) -> None:
+            if copy and old.device.type != "meta":
+                new.copy_(old)
+                replaced.append((slot.name, weakref.ref(old), old.nbytes))
+            if slot.requires_grad:
+                assert grad is not None
+                gview = grad[slot.offset : slot.end].view(slot.shape)
+                if old.grad is not None:
+                    if copy:
+                        gview.copy_(old.grad)
+                    new.grad = gview
+                install_grad_hooks(new, gview, index, self._grad_listener)
+
+        swap_in(
+            self.module, self.layout, lambda _, s: flat[s.offset : s.end].view(s.shape), take_over
+        )
+        warn_if_still_held(replaced)
         self._materialize_buffers(flat.device)
         self._flat, self._grad = flat, grad if trains else None
         return self

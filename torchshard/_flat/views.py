@@ -1,17 +1,26 @@
-"""Parameters as views of the flat buffers: who owns a name, gradient hooks that keep
-``.grad`` in the flat gradient, and checks on the buffers."""
+"""Parameters as views of the flat buffers: who owns a name, swapping views in for the
+parameters, gradient hooks that keep ``.grad`` in the flat gradient, and checks on the
+buffers."""
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from .._log import get_logger
-from .layout import FlatLayout
+from .layout import FlatLayout, ParamSlot
 
-__all__ = ["Owners", "install_grad_hooks", "overlaps", "warn_if_still_held", "zero_gaps"]
+__all__ = [
+    "Owners",
+    "install_grad_hooks",
+    "overlaps",
+    "swap_in",
+    "warn_if_still_held",
+    "zero_gaps",
+]
 
 logger = get_logger("torchshard._flat.module")  # bind()'s warnings, under bind()'s logger
 
@@ -50,6 +59,49 @@ class Owners:
     def set(self, name: str, value: nn.Parameter) -> None:
         owner, attr = self._split(name)
         owner._parameters[attr] = value
+
+
+def swap_in(
+    module: nn.Module,
+    layout: FlatLayout,
+    view_of: Callable[[int, ParamSlot], torch.Tensor],
+    on_swap: Callable[[int, ParamSlot, torch.Tensor, nn.Parameter], None] | None = None,
+) -> tuple[nn.Parameter, ...]:
+    """Make each slot's parameter of ``module`` an ``nn.Parameter`` over ``view_of(i, slot)``.
+
+    The new parameter keeps the old one's attributes (``__dict__``) and ``requires_grad``,
+    and replaces it under every name of the slot (tied names share it).
+    ``on_swap(i, slot, old, new)`` runs before the old one is dropped (to copy its values
+    or gradient in, or hook the new one); the old parameter is released right after, so a
+    model's memory is given back as the loop proceeds. Runs under ``no_grad``.
+
+    Args:
+        module: the module ``layout`` was computed from.
+        layout: its flat layout.
+        view_of: the tensor (of the slot's shape) the new parameter of slot ``i`` wraps.
+        on_swap: called once per slot, with the old parameter and its replacement.
+
+    Returns:
+        The new parameters, by slot.
+
+    Example::
+
+        params = swap_in(fm.module, fm.layout, lambda i, s: flat[s.offset : s.end].view(s.shape))
+    """
+    owners = Owners(module)
+    params: list[nn.Parameter] = []
+    with torch.no_grad():
+        for index, slot in enumerate(layout):
+            old = owners.get(slot.name)
+            new = nn.Parameter(view_of(index, slot), requires_grad=slot.requires_grad)
+            new.__dict__.update(old.__dict__)  # user attributes set on the parameter
+            if on_swap is not None:
+                on_swap(index, slot, old, new)
+            for name in slot.names:
+                owners.set(name, new)
+            params.append(new)
+            del old, new  # release the old storage now, not at the end of the loop
+    return tuple(params)
 
 
 GradListener = list  # a one-element cell: [weakref.WeakMethod of a callable(slot) or None]
