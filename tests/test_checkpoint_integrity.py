@@ -171,7 +171,7 @@ def _weights(live: Live) -> torch.Tensor:
     if live.fm.flat_param is not None:
         return live.fm.flat_param
     assert live.trainer is not None and live.trainer.shard == "full"
-    return live.trainer._mode.shard
+    return live.trainer._mode.stripe_weights
 
 
 def _stripes_only(live: Live) -> bool:

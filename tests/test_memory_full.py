@@ -197,7 +197,7 @@ def _measured(cases: list) -> list[dict]:
                 "peak": trainer._mode.peak_transient,
                 "units": trainer._mode.units,
                 # what the unit buffers hold in storage (the counter above is the mode's own)
-                "stored": sum(b.untyped_storage().nbytes() for b in trainer._mode.buf),
+                "stored": sum(b.untyped_storage().nbytes() for b in trainer._mode.storage.buffers),
             }
         )
         trainer.close()

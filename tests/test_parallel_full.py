@@ -186,7 +186,7 @@ def _bf16(steps: int) -> dict:
     ):
         assert torch.equal(a, b), s.name
     out["memory"] = trainers["full"].memory_bytes()
-    out["shard_dtype"] = str(trainers["full"]._mode.shard.dtype)
+    out["shard_dtype"] = str(trainers["full"]._mode.stripe_weights.dtype)
     for t in trainers.values():
         t.close()
     return out
@@ -217,7 +217,7 @@ def _meta_init(hf: bool) -> dict:
         if shard == "full":
             mode = t._mode
             item = t.module.dtype.itemsize
-            largest = max(g.total for g in mode.geoms) * item
+            largest = max(g.total for g in mode.geometries) * item
             out["peak"], out["largest"] = mode.peak_transient, largest
             out["model"] = t.module.layout.numel * item
             out["units"] = len(mode.units)
@@ -301,7 +301,7 @@ class Checkpointed(Model):
 
 def unit_storage(t: DistributedTrainer) -> int:
     """Bytes the fully sharded mode's unit buffers hold now: real storage, not its counter."""
-    return sum(b.untyped_storage().nbytes() for b in t._mode.buf)
+    return sum(b.untyped_storage().nbytes() for b in t._mode.storage.buffers)
 
 
 def _variants() -> dict:
@@ -390,7 +390,7 @@ def _peaks() -> dict:
         t = DistributedTrainer(FlatParamModule(model), shard="full", **kw)
         t.make_optimizer(torch.optim.AdamW, **ADAMW)
         mode = t._mode
-        mode.peak_transient = 0  # from here: training only
+        t.reset_peak_memory()  # from here: training only
         idx = torch.randint(
             0,
             BIG.vocab_size,
@@ -406,8 +406,8 @@ def _peaks() -> dict:
             assert unit_storage(t) == 0, name  # nothing stays gathered between steps
         assert not storage.undercounted, (name, storage.undercounted)
         item = t.module.dtype.itemsize
-        blocks = [g.total * item for u, g in zip(mode.units, mode.geoms) if not u.kept]
-        kept = sum(g.total * item for u, g in zip(mode.units, mode.geoms) if u.kept)
+        blocks = [g.total * item for u, g in zip(mode.units, mode.geometries) if not u.kept]
+        kept = sum(g.total * item for u, g in zip(mode.units, mode.geometries) if u.kept)
         out[name] = {
             "peak": mode.peak_transient,
             "stored": storage.peak,  # the unit weights alone, measured
@@ -686,9 +686,12 @@ def _gloo_strategies() -> None:
     rank = dist.get_rank()
     got = {}
     for how in ("owner", "native"):
-        full_mode.GLOO_COLLECTIVES = how
+        full_mode.FullyShard.native_gloo = how == "native"
         torch.manual_seed(0)
-        got[how] = trained(Model(), 3, rank)
+        try:
+            got[how] = trained(Model(), 3, rank)
+        finally:
+            full_mode.FullyShard.native_gloo = False
     for a, b in zip(got["owner"], got["native"]):
         if dist.get_world_size() == 2:
             assert torch.equal(a, b)
@@ -722,7 +725,7 @@ def _over_a_subgroup(uneven: bool) -> bool | None:
             t.step()
         got[shard] = weights(t)
         if shard == "full":
-            own = t._mode.made_groups
+            own = t._mode.comm.made_groups
         t.close()
     for a, b in zip(got[False], got["full"]):
         assert torch.equal(a, b)

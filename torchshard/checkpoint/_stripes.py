@@ -12,7 +12,7 @@ range, on its way to host memory). A load needs no exchange: each rank reads
 exactly its stripes from the files.
 
 The mode is read duck-typed from the trainer (``trainer._mode``: its ``units``,
-``geoms``, ``offsets``, ``shard``, ``buf``, ``gather``, ``release_all``): the
+``geometries``, ``stripe_offsets``, ``stripe_weights``, ``regather``): the
 checkpoint layer imports neither the trainer nor its modes.
 """
 
@@ -30,7 +30,7 @@ from ._plan import exchange_splits, overlap
 
 __all__ = ["Stripes"]
 
-_NEEDS = ("units", "geoms", "offsets", "shard", "buf", "gather", "release_all")
+_NEEDS = ("units", "geometries", "stripe_offsets", "stripe_weights", "regather")
 
 
 class Stripes:
@@ -42,9 +42,9 @@ class Stripes:
         self.units = [(u.start, u.end) for u in mode.units]
         self.starts = [u.start for u in mode.units]
         # every rank's stripe of each unit, clipped to the unit (the mode's stripes())
-        self.every = [g.clipped(u.numel) for u, g in zip(mode.units, mode.geoms)]
+        self.every = [g.clipped(u.numel) for u, g in zip(mode.units, mode.geometries)]
         # where flat element x of unit u's stripe sits in the shard: x + shift[u]
-        self.shift = [at - g.range(rank)[0] for at, g in zip(mode.offsets, mode.geoms)]
+        self.shift = [at - g.range(rank)[0] for at, g in zip(mode.stripe_offsets, mode.geometries)]
 
     @classmethod
     def of(cls, trainer: Any) -> Stripes | None:
@@ -63,7 +63,7 @@ class Stripes:
     @property
     def shard(self) -> torch.Tensor:
         """The weights the optimizer updates (in the master dtype when there is one)."""
-        return self.mode.shard
+        return self.mode.stripe_weights
 
     def ranges(self) -> list[tuple[int, int, int]]:
         """``(start, end, at)`` of each non-empty stripe: flat elements ``[start, end)`` are

@@ -1,0 +1,263 @@
+"""The fully sharded mode's gradients: each parameter's gradient into its unit's gradient,
+each unit's gradient reduce-scattered into this rank's stripes in a fixed order.
+
+:class:`UnitGradReducer` is the trainer's gradient sync for this mode (``sync``,
+``averaged``, ``stats``, ``finish()``, ``close()``, as the bucket reducer): the schedule
+tells it when a unit's backward is done, and :meth:`finish` makes the stripes' gradients the
+mean. FSDP2: ``FSDPParamGroup.post_backward`` and ``foreach_reduce``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..._errors import TorchShardError
+from ..mode import Context
+from .storage import UnitBuffers, slot_units
+
+__all__ = ["UnitGradReducer"]
+
+
+class UnitGradReducer:
+    """Hears each trainable parameter's gradient (a hook per parameter), accumulates it into
+    its unit's gradient, and reduce-scatters the units in :attr:`reduce_order`.
+
+    Args:
+        ctx: the trainer's context (its group, the division policy, the parameters).
+        storage: the units' storage (geometry, stripes, transient bytes).
+        params: the parameters, by slot (views of the unit buffers).
+
+    Example::
+
+        grads = UnitGradReducer(ctx, storage, params)
+        loss.backward()   # each unit reduce-scattered as its backward ends
+        grads.finish()    # the stripes' gradients are the mean
+    """
+
+    def __init__(
+        self, ctx: Context, storage: UnitBuffers, params: tuple[nn.Parameter, ...]
+    ) -> None:
+        self.ctx, self.storage, self.comm = ctx, storage, storage.comm
+        self.units, self.world = storage.units, storage.comm.world
+        self.layout = ctx.fm.layout
+        self.stats = self.comm.stats
+        self.unit_of = slot_units(self.units, len(self.layout))
+        self.trainable = [0] * len(self.units)
+        for i in ctx.trainable:
+            self.trainable[self.unit_of[i]] += 1
+        # The same on every rank: the units freed after their backward, last first, as their
+        # backward ends; then the kept ones (root units, ties: their gradients can arrive
+        # until backward ends), at its end.
+        mine = [u.index for u in reversed(self.units) if self.trainable[u.index]]
+        self.reduce_order = [u for u in mine if not self.units[u].kept]
+        self.reduce_order += [u for u in mine if self.units[u].kept]
+        self.stats.buckets = len(self.reduce_order)
+        self.stripe_grads = torch.zeros_like(storage.stripe_weights)
+        """This rank's stripes of every unit's gradient, laid out like the stripes."""
+        self.pool_numel = max(
+            (g.total for u, g in zip(self.units, storage.geometries) if not u.kept), default=0
+        )
+        self.pool: list[torch.Tensor] = []
+        self.mask = torch.zeros(len(ctx.trainable), dtype=torch.int32, device=ctx.device)
+        self.averaged = False
+        """Whether the stripes' gradients are the mean since the last backward."""
+        self.used = [False] * len(self.layout)
+        self.inflight: list[tuple[int, list[dist.Work], torch.Tensor, torch.Tensor]] = []
+        self.pieces: list[tuple[int, int, int, nn.Parameter]] = []
+        """The optimizer's tensors ``(slot, start, end, piece)``, given their gradients."""
+        self.on_gradient: Callable[[], None] = lambda: None
+        """Called at every gradient (the schedule hears the backward from it)."""
+        self.on_close: list[Callable[[], None]] = []
+        """Called first by :meth:`close` (the schedule's hooks off)."""
+        self._closed = False
+        self.reset_backward()
+        for i, p in enumerate(params):
+            if self.layout.slots[i].requires_grad:
+                p.register_post_accumulate_grad_hook(self._grad_hook(i))
+
+    @property
+    def sync(self) -> bool:
+        """Always on: every backward reduce-scatters."""
+        return True
+
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        if not value:
+            raise TorchShardError(
+                "no_sync(): not available with shard='full': the unsharded gradients it would "
+                "keep are the whole model's size, which this mode exists to avoid; every "
+                "backward reduce-scatters and accumulates into this rank's stripes instead, so "
+                "gradient accumulation needs no context manager"
+            )
+
+    def reset_backward(self) -> None:
+        """Forget the last backward's per-unit state."""
+        n = len(self.units)
+        self.unit_grad: list[torch.Tensor | None] = [None] * n
+        self.pending = list(self.trainable)
+        self.reducible = [False] * n
+        self.reduced = [False] * n
+        self.next_reduce = 0
+
+    # -- during backward ---------------------------------------------------------------------
+    def _grad_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            g = p.grad
+            if g is None:
+                return
+            p.grad = None  # the stripe's gradient is the one the optimizer sees
+            self._on_grad(i, g)
+
+        return hook
+
+    @torch.no_grad()
+    def _on_grad(self, i: int, g: torch.Tensor) -> None:
+        self.averaged = False
+        self.on_gradient()
+        u = self.unit_of[i]
+        s = self.layout.slots[i]
+        if self.reduced[u]:
+            raise TorchShardError(
+                f"parameter {s.name!r} received its gradient after unit {self.units[u].name!r} "
+                "was reduce-scattered: it is used outside its unit's forward; choose units= "
+                "so that each unit's parameters are used only inside it"
+            )
+        start = self.units[u].start
+        self._unit_grad(u)[s.offset - start : s.end - start].view(s.shape).add_(g)
+        self.used[i] = True
+        self.pending[u] -= 1
+        if self.pending[u] == 0 and not self.units[u].kept:
+            self.unit_done(u)
+
+    def _unit_grad(self, u: int) -> torch.Tensor:
+        """Unit ``u``'s gradient buffer, zeros; for a freed unit, from the step's pool of at
+        most two of the largest such size (fewer allocations: less for the heap to keep)."""
+        grad = self.unit_grad[u]
+        if grad is None:
+            n, dtype, device = self.storage.geometries[u].total, self.storage.dtype, self.ctx.device
+            if self.units[u].kept or not self.pool_numel:
+                grad = self._held(torch.zeros(n, dtype=dtype, device=device))
+            else:
+                if self.pool:
+                    back = self.pool.pop()
+                else:
+                    back = self._held(torch.empty(self.pool_numel, dtype=dtype, device=device))
+                grad = back[:n].zero_()
+            self.unit_grad[u] = grad
+        return grad
+
+    def _held(self, t: torch.Tensor) -> torch.Tensor:
+        self.storage.account(t.numel() * t.element_size())
+        return t
+
+    def unit_done(self, u: int) -> None:
+        """Unit ``u``'s gradient is complete: reduce what the fixed order allows now."""
+        self.reducible[u] = True
+        self._launch_ready()
+
+    def end_of_backward(self) -> None:
+        """Backward is over: reduce every unit not reduced yet."""
+        for u in range(len(self.units)):
+            self.reducible[u] = True
+        self._launch_ready()
+
+    # -- reduce-scatter ------------------------------------------------------------------------
+    def _launch_ready(self) -> None:
+        order = self.reduce_order
+        while self.next_reduce < len(order) and self.reducible[order[self.next_reduce]]:
+            self._reduce_scatter(order[self.next_reduce])
+            self.next_reduce += 1
+
+    @torch.no_grad()
+    def _reduce_scatter(self, u: int) -> None:
+        ctx = self.ctx
+        grad = self._unit_grad(u)
+        self.reduced[u] = True
+        if ctx.divide_first:
+            grad.mul_(1.0 / self.world)
+        n = self.storage.geometries[u].per_rank
+        out, works = self.comm.reduce_scatter(u, grad, n, ctx.mean_op or dist.ReduceOp.SUM)
+        self.unit_grad[u] = None
+        self.inflight.append((u, works, out, grad))
+        # one reduction in flight, one unit's gradient filling: at most two unit gradients
+        while len(self.inflight) > 1:
+            self._complete()
+        if self.world == 1:
+            self._complete()
+
+    def _complete(self) -> None:
+        u, works, out, grad = self.inflight.pop(0)
+        t0 = time.perf_counter()
+        for w in works:
+            w.wait()
+        self.stats.wait_seconds += time.perf_counter() - t0
+        a = self.storage.stripe_offsets[u]
+        self.stripe_grads[a : a + self.storage.geometries[u].per_rank].add_(out)
+        if grad._base is not None:  # a pooled buffer: back to the pool
+            self.pool.append(grad._base)
+        else:
+            self.storage.account(-grad.numel() * grad.element_size())
+
+    def _drain(self) -> None:
+        while self.inflight:
+            self._complete()
+
+    # -- the trainer's gradient-sync protocol ---------------------------------------------------
+    @torch.no_grad()
+    def finish(self) -> None:
+        """The gradients of every backward since the last step, averaged into the stripes."""
+        ctx = self.ctx
+        self._drain()
+        used = [self.used[i] for i in ctx.trainable]
+        everywhere = all(used)
+        if self.world > 1:
+            if everywhere:
+                self.mask.fill_(1)
+            else:
+                self.mask.copy_(torch.tensor(used, dtype=self.mask.dtype))
+            dist.all_reduce(self.mask, group=ctx.group)
+            self.comm.order.log("m", 0)
+            if not everywhere:
+                used = [bool(n) for n in self.mask.tolist()]
+        if ctx.divides_after:
+            self.stripe_grads.div_(self.world)
+        globally = dict(zip(ctx.trainable, used))
+        for i, a, b, piece in self.pieces:
+            piece.grad = self.storage.stripe_of(self.stripe_grads, a, b) if globally[i] else None
+        self.used = [False] * len(self.layout)
+        self.stats.steps += 1
+        self.stats.launched_during_backward = len(self.reduce_order)
+        self.averaged = True
+
+    def close(self) -> None:
+        """Hooks off; every collective in flight waited for."""
+        if self._closed:
+            return
+        self._closed = True
+        for close in self.on_close:
+            close()
+        self._drain()
+        self.storage.wait_all()
+
+    # -- the optimizer's side -------------------------------------------------------------------
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """Forget the gradients accumulated since the last step."""
+        self._drain()
+        for *_, piece in self.pieces:
+            piece.grad = None
+        self.stripe_grads.zero_()
+        self.used = [False] * len(self.layout)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """The step consumed the gradients: zeros, and the pool's buffers freed."""
+        self.stripe_grads.zero_()
+        for t in self.pool:
+            self.storage.account(-t.numel() * t.element_size())
+        self.pool.clear()

@@ -1,0 +1,283 @@
+"""Fully sharded mode (ZeRO-3 / FSDP): parameters, gradients and optimizer state sharded.
+
+The layout is cut into units (:mod:`..units`): a transformer block each, plus root
+units for what lies between. Rank ``r`` persistently holds stripe ``r`` of every
+unit (in the master dtype: the weights the optimizer updates), its gradient, and
+the optimizer's state for it: 16 bytes per parameter over the world size with
+AdamW. A unit's full buffer exists only while the unit runs: it is gathered in a
+forward pre-hook (``prefetch`` units ahead), freed after its forward, gathered
+again before its backward, freed after it. Its gradient is reduce-scattered into
+the stripes as soon as its backward is done.
+
+:class:`FullyShard` composes objects that each own their state, imported one way:
+
+- :class:`~.collectives.UnitComm`: the communicators, the collectives, the order log;
+- :class:`~.storage.UnitBuffers`: the stripes and the unit buffers (gather, free);
+- :class:`~.grads.UnitGradReducer`: gradients to stripes; the trainer's gradient sync;
+- :func:`~.init.adopt_units`: parameters as views of the units, stripes filled;
+- :class:`~.schedule.UnitSchedule`: the forward and backward hooks.
+
+Order: every rank issues the same collectives in the same order by construction; see
+[Note: one order per communicator] in ``docs/fully-sharded.md``.
+:meth:`FullyShard.order_digest` lets a test or a debug run compare the sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..._errors import TorchShardError
+from ..._flat.geometry import Geometry
+from ..._flat.module import FlatParamModule
+from ..buckets import Bucket
+from ..mode import Context, Mode, Segment
+from ..shards import LocalShards
+from ..units import Unit, UnitSpec, resolve_units
+from .collectives import UnitComm
+from .grads import UnitGradReducer
+from .init import adopt_units
+from .schedule import UnitSchedule
+from .storage import UnitBuffers
+
+__all__ = ["FullyShard"]
+
+
+class FullyShard(Mode):
+    """Parameters, gradients and optimizer state of every unit sharded over the ranks.
+
+    Args:
+        master_dtype: the stripes' dtype (what the optimizer updates).
+        units: which modules are units (:func:`~..units.resolve_units`).
+        prefetch: units gathered ahead of the one running.
+        reshard_after_forward: free each unit after its forward.
+    """
+
+    sharded = True
+    norm_is_partial = True
+    owns_buffers = True
+    whole_weights = False
+    label = "full"
+    reduces_by = "unit"
+    native_gloo: bool = False
+    """On gloo, gather and reduce with gloo's all-gather and reduce-scatter instead of a
+    broadcast and a reduce per owner (:class:`~.collectives.UnitComm`'s ``native``; NCCL
+    always does). A class default that benchmarks and tests flip to compare the two."""
+
+    def __init__(
+        self,
+        master_dtype: torch.dtype = torch.float32,
+        units: UnitSpec = "auto",
+        prefetch: int = 1,
+        reshard_after_forward: bool = True,
+    ) -> None:
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise TorchShardError(f"prefetch: expected an int >= 0, got {prefetch!r}")
+        if reshard_after_forward not in (True, False):
+            raise TorchShardError(
+                f"reshard_after_forward: expected True or False, got {reshard_after_forward!r}"
+            )
+        self.master_dtype = master_dtype
+        self.spec = units
+        self.prefetch = prefetch
+        self.reshard_after_forward = reshard_after_forward
+        self.units: list[Unit] = []
+        self.params: tuple[nn.Parameter, ...] = ()
+        self.comm: UnitComm | None = None
+        self.storage: UnitBuffers | None = None
+        self.grads: UnitGradReducer | None = None
+        self.schedule: UnitSchedule | None = None
+
+    # -- construction ----------------------------------------------------------------------
+    def prepare(self, fm: FlatParamModule) -> None:
+        """Resolve the units (no tensors, no collective), before the ranks compare models."""
+        self.units = resolve_units(fm.module, fm.layout, self.spec)
+
+    def adopt(
+        self,
+        fm: FlatParamModule,
+        device: torch.device,
+        group: dist.ProcessGroup | None,
+        src: int,
+        init_fn: Callable[[nn.Module], None] | None,
+    ) -> tuple[nn.Parameter, ...]:
+        """Shard ``fm`` over the group: unit buffers (freed), parameters as their views, this
+        rank's stripes filled from ``fm``'s weights (bound, real, or initialized from meta one
+        unit at a time) as ``src`` holds them. Returns the parameters by slot."""
+        if not self.units:
+            self.prepare(fm)
+        self.comm = UnitComm(group, device, native=self.native_gloo)
+        self.storage = UnitBuffers(
+            self.units, fm.layout.align, fm.dtype, self.master_dtype, self.comm
+        )
+        self.params = adopt_units(fm, self.storage, src, init_fn)
+        return self.params
+
+    def setup(self, ctx: Context, buckets: tuple[Bucket, ...]) -> None:
+        """The gradient sync over the stripes, and the hooks that gather the units."""
+        assert self.storage is not None
+        self.grads = UnitGradReducer(ctx, self.storage, self.params)
+        self.schedule = UnitSchedule(
+            ctx.fm.module,
+            self.storage,
+            self.grads,
+            prefetch=self.prefetch,
+            reshard_after_forward=self.reshard_after_forward,
+        )
+
+    def grad_sync(self, ctx: Context, buckets: tuple[Bucket, ...]) -> UnitGradReducer:
+        """How gradients become the mean: the units' reduce-scatters into the stripes (one
+        object per trainer, the same on every call)."""
+        assert self.grads is not None
+        return self.grads
+
+    def own_reducer(self) -> UnitGradReducer:
+        """The trainer's reducer (until the trainer calls :meth:`grad_sync`)."""
+        assert self.grads is not None
+        return self.grads
+
+    # -- what the units hold ---------------------------------------------------------------------
+    def _adopted(self) -> UnitBuffers:
+        assert self.storage is not None, "the mode has not adopted a module yet"
+        return self.storage
+
+    @property
+    def geometries(self) -> list[Geometry]:
+        """Each unit's stripe geometry, by unit."""
+        return self._adopted().geometries
+
+    @property
+    def stripe_offsets(self) -> list[int]:
+        """Where each unit's stripe starts in :attr:`stripe_weights`."""
+        return self._adopted().stripe_offsets
+
+    @property
+    def stripe_weights(self) -> torch.Tensor:
+        """This rank's stripes of every unit, in the master dtype: what the optimizer updates."""
+        return self._adopted().stripe_weights
+
+    @property
+    def transient(self) -> int:
+        """Bytes of unit buffers and unit gradients held now."""
+        return self.storage.transient if self.storage is not None else 0
+
+    @property  # type: ignore[override]
+    def peak_transient(self) -> int:
+        return self.storage.peak_transient if self.storage is not None else 0
+
+    def stripes(self) -> list[tuple[int, int]]:
+        """This rank's ``[a, b)`` of the flat buffer, one per unit, clipped to the unit."""
+        return self._adopted().stripe_ranges()
+
+    def release_all(self) -> None:
+        """Free every gathered unit (their stripes changed other than by a step)."""
+        self._adopted().release_all()
+
+    def regather(self) -> None:
+        """Gather again, from the stripes, the units materialized now."""
+        self._adopted().regather()
+
+    def gather(self, ctx: Context) -> None:
+        """The stripes changed (a load, an edit of ``trainer.optimizer_segments()``): the
+        units materialized now hold stale weights; gather them again (the others gather at
+        their next use anyway)."""
+        self._adopted().regather()
+
+    def gathered(self) -> contextlib.AbstractContextManager[None]:
+        return self._adopted().gathered()
+
+    # -- the optimizer's side ----------------------------------------------------------------------
+    def optimizer_tensors(self, ctx: Context) -> list[Segment]:
+        grads, storage = self.grads, self._adopted()
+        assert grads is not None
+        if not grads.pieces:
+            slots = ctx.fm.layout.slots
+            for (a0, b0), u in zip(storage.stripe_ranges(), self.units):
+                for i in range(u.lo, u.hi):
+                    s = slots[i]
+                    if not s.requires_grad:
+                        continue
+                    a, b = max(s.offset, a0), min(s.end, b0)
+                    if a < b:
+                        piece = nn.Parameter(storage.stripe_of(storage.stripe_weights, a, b))
+                        grads.pieces.append((i, a, b, piece))
+        return list(grads.pieces)
+
+    def local_grad(self, ctx: Context) -> torch.Tensor:
+        assert self.grads is not None
+        return self.grads.stripe_grads
+
+    @torch.no_grad()
+    def after_step(self, ctx: Context) -> None:
+        assert self.grads is not None
+        storage = self._adopted()
+        self.grads.after_step()
+        storage.release_all()  # gathered weights are stale now: the next forward gathers again
+        storage.trim_heap(
+            slack=2 * max(g.total for g in storage.geometries) * storage.dtype.itemsize
+        )
+
+    def zero_grad(self) -> None:
+        if self.grads is not None:
+            self.grads.zero_grad()
+
+    def after_load(self, ctx: Context) -> None:
+        self._adopted().regather()
+
+    def reset_peak(self) -> None:
+        storage = self._adopted()
+        storage.peak_transient = storage.transient
+
+    # -- what the trainer reports ------------------------------------------------------------------
+    def fingerprint(self) -> str:
+        """Units and schedule: ranks that differ would issue other collectives (and hang)."""
+        plan = [(u.lo, u.hi, u.kept) for u in self.units], self.prefetch, self.reshard_after_forward
+        return "F" + hashlib.sha256(repr(plan).encode()).hexdigest()[:16]
+
+    def master_bytes(self) -> int:
+        storage = self._adopted()
+        if self.master_dtype == storage.dtype:
+            return 0
+        return 2 * storage.stripe_weights.numel() * storage.stripe_weights.element_size()
+
+    def memory(self, ctx: Context, optimizer_bytes: int) -> dict[str, int]:
+        storage = self._adopted()
+        nbytes = storage.stripe_weights.numel() * storage.stripe_weights.element_size()
+        own = self.master_dtype == storage.dtype
+        return {
+            "parameters": nbytes if own else 0,
+            "gradients": nbytes if own else 0,
+            "optimizer": optimizer_bytes,
+            "master": 0 if own else 2 * nbytes,
+            "transient": storage.transient,
+        }
+
+    def local_shards(self, ctx: Context) -> LocalShards:
+        storage = self._adopted()
+        every = [g.clipped(u.numel) for u, g in zip(self.units, storage.geometries)]
+        regions = [(u.start, u.end) for u in self.units]
+        return LocalShards.of(
+            storage.stripe_weights, regions, every, storage.rank, storage.stripe_offsets
+        )
+
+    def own_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        # a trainer whose construction failed before the communicators is closed at exit too
+        return self.comm.own_groups() if self.comm is not None else ()
+
+    def order_digest(self) -> str:
+        """A digest of the collectives issued so far, in order, on each of the mode's three
+        communicators: equal on every rank, or some rank issued another sequence."""
+        assert self.comm is not None
+        return self.comm.order.digest()
+
+    def close(self) -> None:
+        """Hooks off, collectives in flight waited for (the trainer's reducer close)."""
+        if self.grads is not None:
+            self.grads.close()
+        elif self.storage is not None:
+            self.storage.wait_all()
