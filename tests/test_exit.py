@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import introspect
 import pytest
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ def _close_waits_for_every_rank(shard: bool | str) -> dict:
         fm(torch.randn(4, 8)).sum().backward()
         trainer.step()
     del opt
-    groups = trainer._mode.own_groups()
+    groups = introspect.own_groups(trainer)
     store = dist.distributed_c10d._get_default_store()
     if rank == 1:
         time.sleep(1.0)

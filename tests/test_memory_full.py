@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import introspect
 import pytest
 import torch
 import torch.distributed as dist
@@ -194,10 +195,10 @@ def _measured(cases: list) -> list[dict]:
         out.append(
             {
                 "memory": trainer.memory_bytes(),
-                "peak": trainer._mode.peak_transient,
-                "units": trainer._mode.units,
+                "peak": introspect.memory_stats(trainer).peak_transient,
+                "units": introspect.units(trainer),
                 # what the unit buffers hold in storage (the counter above is the mode's own)
-                "stored": sum(b.untyped_storage().nbytes() for b in trainer._mode.buf),
+                "stored": introspect.unit_storage_bytes(trainer),
             }
         )
         trainer.close()
