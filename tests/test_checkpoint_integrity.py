@@ -45,6 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
+import introspect
 import torch
 import torch.distributed as dist
 from checkpoint_harness import reseal, same_bits, tree_diff
@@ -171,7 +172,7 @@ def _weights(live: Live) -> torch.Tensor:
     if live.fm.flat_param is not None:
         return live.fm.flat_param
     assert live.trainer is not None and live.trainer.shard == "full"
-    return live.trainer._mode.stripe_weights
+    return introspect.stripes(live.trainer)
 
 
 def _stripes_only(live: Live) -> bool:
@@ -195,7 +196,7 @@ def restore(live: Live, snap: dict[str, Any]) -> None:
     with torch.no_grad():
         _weights(live).copy_(snap["flat"])
         if _stripes_only(live):  # no unit may stay gathered from the weights a load wrote
-            live.trainer._mode.release_all()
+            introspect.release_all(live.trainer)
         for n, b in live.buffers().items():
             b.copy_(snap["buffers"][n])
     live.opt.load_state_dict(copy.deepcopy(snap["optim"]))

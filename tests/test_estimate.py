@@ -11,6 +11,7 @@ import shlex
 import sys
 from pathlib import Path
 
+import introspect
 import pytest
 import torch
 from gpt import gpt_small
@@ -88,7 +89,8 @@ def _allocated(configs: dict[str, str]) -> dict[str, dict[str, int]]:
                     trainer.step()  # the optimizer's state exists from its first step on
                     out[f"{name} {dtype} {mode} {opt}"] = trainer.memory_bytes()
                     if shard == "full":
-                        out[f"{name} {dtype} {mode} {opt} peak"] = trainer._mode.peak_transient
+                        peak = introspect.memory_stats(trainer).peak_transient
+                        out[f"{name} {dtype} {mode} {opt} peak"] = peak
                     trainer.close()
     return out
 

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import introspect
 import pytest
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ def _close_waits_for_every_rank(shard: bool | str) -> dict:
         fm(torch.randn(4, 8)).sum().backward()
         trainer.step()
     del opt
-    groups = trainer._mode.own_groups()
+    groups = introspect.own_groups(trainer)
     store = dist.distributed_c10d._get_default_store()
     if rank == 1:
         time.sleep(1.0)
@@ -190,3 +191,22 @@ def test_failing_reads_an_uncaught_exception():
     bad = subprocess.run([sys.executable, "-c", code, "bad"], capture_output=True, text=True)
     assert "failing False" in ok.stdout, ok
     assert "failing True" in bad.stdout, bad
+
+
+def _leave_without_a_silent_rank() -> list[int] | None:
+    """Rank 1 stops beating and never says it is done (a frozen or killed process); rank
+    0's leave() must give up on it once its heartbeat is silent, not wait the full timeout."""
+    trainer = torchshard.DistributedTrainer(torchshard.FlatParamModule(_blocks()))
+    coordinator = trainer.coordinator
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 1:
+        coordinator.close()  # its heartbeat stops; it does not arrive
+        store.wait(["rank0-left"])
+        return None
+    late = coordinator.leave(timeout=600, silence=1.0)  # the harness kills us long before 600
+    store.set("rank0-left", "1")
+    return late
+
+
+def test_leave_does_not_wait_for_a_rank_whose_heartbeat_stopped():
+    assert run_distributed(_leave_without_a_silent_rank, 2, timeout=60)[0] == [1]

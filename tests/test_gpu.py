@@ -35,6 +35,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import introspect
 import pytest
 import torch
 import torch.distributed as dist
@@ -95,7 +96,7 @@ def units_of(shard: bool | str, units: list[str]) -> dict[str, Any]:
 def assert_hooks_gather(trainer: DistributedTrainer) -> None:
     """The fully sharded mode has units to gather and free from hooks, not one kept root."""
     if trainer.shard == "full":
-        units = trainer._mode.units
+        units = introspect.units(trainer)
         assert len(units) > 1 and sum(not u.kept for u in units) >= 2, units
 
 

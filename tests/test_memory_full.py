@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import introspect
 import pytest
 import torch
 import torch.distributed as dist
@@ -194,10 +195,10 @@ def _measured(cases: list) -> list[dict]:
         out.append(
             {
                 "memory": trainer.memory_bytes(),
-                "peak": trainer._mode.peak_transient,
-                "units": trainer._mode.units,
+                "peak": introspect.memory_stats(trainer).peak_transient,
+                "units": introspect.units(trainer),
                 # what the unit buffers hold in storage (the counter above is the mode's own)
-                "stored": sum(b.untyped_storage().nbytes() for b in trainer._mode.storage.buffers),
+                "stored": introspect.unit_storage_bytes(trainer),
             }
         )
         trainer.close()
@@ -219,7 +220,7 @@ def test_plan_is_what_the_trainer_holds(world):
             prefetch=prefetch,
             reshard_after_forward=reshard,
         )
-        assert ranks[0][k]["units"] == layout_units(layout)
+        assert list(ranks[0][k]["units"]) == layout_units(layout)
         for rank, r in enumerate(ranks):
             measured, planned = r[k]["memory"], plan[rank].as_dict()
             case = (rank, dtype, optimizer, prefetch, reshard)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+import introspect
 import pytest
 import torch
 import torch.distributed as dist
@@ -96,7 +97,7 @@ def _parity(steps: int) -> dict:
     full.make_optimizer(torch.optim.AdamW, **ADAMW)
     rep.make_optimizer(torch.optim.AdamW, **ADAMW)
     ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
-    units = [(u.name, u.root, u.kept) for u in full._mode.units]
+    units = [(u.name, u.root, u.kept) for u in introspect.units(full)]
     aux2 = {i for i, s in enumerate(full.module.layout.slots) if s.name.startswith("aux2.")}
     worst = {"ddp": 0.0, "replicated": 0.0}
     checked = 0
@@ -186,7 +187,7 @@ def _bf16(steps: int) -> dict:
     ):
         assert torch.equal(a, b), s.name
     out["memory"] = trainers["full"].memory_bytes()
-    out["shard_dtype"] = str(trainers["full"]._mode.stripe_weights.dtype)
+    out["shard_dtype"] = str(introspect.stripes(trainers["full"]).dtype)
     for t in trainers.values():
         t.close()
     return out
@@ -215,12 +216,11 @@ def _meta_init(hf: bool) -> dict:
             model = _hf_model() if hf else GPT(BIG)
         t = DistributedTrainer(FlatParamModule(model), shard=shard)
         if shard == "full":
-            mode = t._mode
             item = t.module.dtype.itemsize
-            largest = max(g.total for g in mode.geometries) * item
-            out["peak"], out["largest"] = mode.peak_transient, largest
+            largest = max(g.total for g in introspect.unit_geometries(t)) * item
+            out["peak"], out["largest"] = introspect.memory_stats(t).peak_transient, largest
             out["model"] = t.module.layout.numel * item
-            out["units"] = len(mode.units)
+            out["units"] = len(introspect.units(t))
         got[shard] = weights(t)
         t.close()
     for a, b in zip(got[False], got["full"]):
@@ -301,7 +301,7 @@ class Checkpointed(Model):
 
 def unit_storage(t: DistributedTrainer) -> int:
     """Bytes the fully sharded mode's unit buffers hold now: real storage, not its counter."""
-    return sum(b.untyped_storage().nbytes() for b in t._mode.storage.buffers)
+    return introspect.unit_storage_bytes(t)
 
 
 def _variants() -> dict:
@@ -321,7 +321,7 @@ def _variants() -> dict:
         torch.manual_seed(0)
         t = DistributedTrainer(FlatParamModule(cls(), align_bytes=4), shard="full", **kw)
         t.make_optimizer(torch.optim.AdamW, **ADAMW)
-        units[name] = [(u.name, u.kept) for u in t._mode.units]
+        units[name] = [(u.name, u.kept) for u in introspect.units(t)]
         for step in range(3):
             t.zero_grad()
             t.module(*batch(rank, step))[1].backward()
@@ -366,7 +366,7 @@ class UnitStorage(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        real, counted = unit_storage(self.t), self.t._mode.transient
+        real, counted = unit_storage(self.t), introspect.transient_bytes(self.t)
         self.peak = max(self.peak, real)
         if real > counted and len(self.undercounted) < 3:
             self.undercounted.append(f"{func}: {real} bytes gathered, {counted} counted")
@@ -389,8 +389,7 @@ def _peaks() -> dict:
             model.unused = nn.Linear(BIG.n_embd, 2)
         t = DistributedTrainer(FlatParamModule(model), shard="full", **kw)
         t.make_optimizer(torch.optim.AdamW, **ADAMW)
-        mode = t._mode
-        t.reset_peak_memory()  # from here: training only
+        introspect.reset_peak_memory(t)  # from here: training only
         idx = torch.randint(
             0,
             BIG.vocab_size,
@@ -406,10 +405,11 @@ def _peaks() -> dict:
             assert unit_storage(t) == 0, name  # nothing stays gathered between steps
         assert not storage.undercounted, (name, storage.undercounted)
         item = t.module.dtype.itemsize
-        blocks = [g.total * item for u, g in zip(mode.units, mode.geometries) if not u.kept]
-        kept = sum(g.total * item for u, g in zip(mode.units, mode.geometries) if u.kept)
+        geoms = list(zip(introspect.units(t), introspect.unit_geometries(t)))
+        blocks = [g.total * item for u, g in geoms if not u.kept]
+        kept = sum(g.total * item for u, g in geoms if u.kept)
         out[name] = {
-            "peak": mode.peak_transient,
+            "peak": introspect.memory_stats(t).peak_transient,
             "stored": storage.peak,  # the unit weights alone, measured
             "block": max(blocks),
             "n": len(blocks),
@@ -526,7 +526,7 @@ def _tied_across_units() -> dict:
         ref_opt.step()
         for (s, p), a in zip(_named(ref, full), weights(full)):
             assert torch.equal(a, p), (step, s.name)
-    kept = [u.name for u in full._mode.units if u.kept and not u.root]
+    kept = [u.name for u in introspect.units(full) if u.kept and not u.root]
     full.close()
     return {"kept": kept}
 
@@ -629,23 +629,14 @@ def test_full_in_a_world_of_one_trains_like_plain_pytorch():
 
 
 def _different_schedules(what: str) -> dict:
-    import torchshard._parallel.full as full_mode
-
-    calls = []  # sharding the weights: buffers filled and broadcast from src, units gathered
-    for method in ("adopt", "gather"):
-        real = getattr(full_mode.FullyShard, method)
-
-        def record(self, *a, _real=real, _name=method, **kw):
-            calls.append(_name)
-            return _real(self, *a, **kw)
-
-        setattr(full_mode.FullyShard, method, record)
     rank = dist.get_rank()
     kw = {"prefetch": 1 + rank} if what == "prefetch" else {"units": [["blocks.0"], "auto"][rank]}
-    try:
-        DistributedTrainer(FlatParamModule(Model()), shard="full", **kw)
-    except RankMismatchError as e:
-        return {"message": str(e), "calls": calls}
+    # sharding the weights: buffers filled and broadcast from src, units gathered
+    with introspect.record_unit_mode_calls("adopt", "gather") as calls:
+        try:
+            DistributedTrainer(FlatParamModule(Model()), shard="full", **kw)
+        except RankMismatchError as e:
+            return {"message": str(e), "calls": calls}
     return {"message": "no error", "calls": calls}
 
 
@@ -681,17 +672,12 @@ def test_an_init_op_that_touches_every_unit_at_once_sees_them_all():
 
 
 def _gloo_strategies() -> None:
-    import torchshard._parallel.full as full_mode
-
     rank = dist.get_rank()
     got = {}
     for how in ("owner", "native"):
-        full_mode.FullyShard.native_gloo = how == "native"
         torch.manual_seed(0)
-        try:
+        with introspect.gloo_collectives(how):
             got[how] = trained(Model(), 3, rank)
-        finally:
-            full_mode.FullyShard.native_gloo = False
     for a, b in zip(got["owner"], got["native"]):
         if dist.get_world_size() == 2:
             assert torch.equal(a, b)
@@ -725,7 +711,7 @@ def _over_a_subgroup(uneven: bool) -> bool | None:
             t.step()
         got[shard] = weights(t)
         if shard == "full":
-            own = t._mode.comm.made_groups
+            own = introspect.made_groups(t)
         t.close()
     for a, b in zip(got[False], got["full"]):
         assert torch.equal(a, b)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import introspect
 import pytest
 import torch
 import torch.distributed as dist
@@ -134,7 +135,7 @@ def _launches_during_backward() -> dict:
         buckets=trainer.stats.buckets,
         stat=trainer.stats.launched_during_backward,
         numel=fm.numel,
-        mask=trainer._mode._store.numel() - fm.flat_grad.numel(),
+        mask=introspect.replicated_grad_store(trainer).numel() - fm.flat_grad.numel(),
     )
 
 
@@ -289,7 +290,7 @@ def _fp16_mean(shard: bool) -> dict:
     # each rank's gradient is 4e4 everywhere: the sum (8e4) overflows float16, the mean does not
     (fm.module.weight * 4e4).sum().backward()
     trainer.average_gradients()
-    s0, e0 = trainer._geometry.range(rank) if shard else (0, fm.numel)
+    s0, e0 = introspect.slice_range(trainer, rank) if shard else (0, fm.numel)
     w = fm.layout.slots[0]
     mine = fm.flat_grad[max(w.offset, s0) : min(w.end, e0)]
     out["mean"] = mine.unique().tolist()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import introspect
 import pytest
 import torch
 import torch.distributed as dist
@@ -235,7 +236,7 @@ def _loss_curve(dtype: torch.dtype, steps: int) -> dict:
         dist.all_reduce(mean)
         losses.append(mean.item() / trainer.world_size)
     mem = trainer.memory_bytes()
-    master = trainer._mode._master
+    master = introspect.master_slice(trainer)
     out = {
         "losses": losses,
         "checks": checks,

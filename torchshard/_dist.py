@@ -350,21 +350,39 @@ class Coordinator:
         for k in keys:
             store.delete_key(k)
 
-    def leave(self, timeout: float) -> list[int]:
+    def leave(self, timeout: float, silence: float | None = None) -> list[int]:
         """Say that this rank is done and wait until every rank of the group has said so
         (at most ``timeout`` seconds), then stop beating. Through the store, not a
-        collective: a rank on an error path would never match one. Returns the ranks that
-        did not arrive in time (empty when all did).
+        collective: a rank on an error path would never match one. A rank that has not
+        arrived and whose heartbeat has not moved for ``silence`` seconds (default: 5
+        intervals, at least 5 s) died or froze: it is not waited for. Returns the ranks
+        that did not arrive (empty when all did).
 
         The waiting polls (1 ms, backing off to 50 ms) with the GIL released, which is
         also what gloo's threads need to finish their bookkeeping (see ``_exit``)."""
+        silence = max(5.0, 5 * self.interval) if silence is None else silence
         missing: list[int] = []
         try:
             store = self.store
             store.set(self.key("done", self.rank), b"1")
             count, start, pause = store.add(self.key("done"), 1), time.monotonic(), 0.001
+            seen: dict[int, tuple[int, float]] = {}  # heartbeat count, when it last moved
+            looked = start
             while count < self.world_size:
-                if time.monotonic() - start >= timeout:
+                now = time.monotonic()
+                if now - looked >= min(0.5, silence / 4):
+                    looked = now
+                    waiting = [r for r in range(self.world_size) if r != self.rank]
+                    waiting = [r for r in waiting if not store.check([self.key("done", r)])]
+                    for r in waiting:
+                        beats = store.add(self.key("alive", r), 0)
+                        if seen.get(r, (None,))[0] != beats:
+                            seen[r] = (beats, now)
+                    silent = [r for r in waiting if now - seen[r][1] >= silence]
+                    if waiting and silent == waiting:  # only the dead are left
+                        missing = waiting
+                        break
+                if now - start >= timeout:
                     missing = [
                         r for r in range(self.world_size) if not store.check([self.key("done", r)])
                     ]

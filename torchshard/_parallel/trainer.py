@@ -620,11 +620,11 @@ class DistributedTrainer:
             late = coordinator.leave(EXIT_TIMEOUT)
             if late:
                 logger.warning(
-                    "close(): rank %d waited %.0f s for ranks %s to close too; leaving without "
-                    "them (a rank that never calls close() and never exits?)",
+                    "close(): rank %d leaves without ranks %s: they did not close within "
+                    "%.0f s, or stopped beating (their process died or froze)",
                     self.rank,
-                    EXIT_TIMEOUT,
                     late,
+                    EXIT_TIMEOUT,
                 )
         mode = getattr(self, "_mode", None)
         for group in mode.own_groups() if mode is not None else ():

@@ -1,0 +1,300 @@
+"""The one place where tests look inside a trainer: every white-box read (or write) of the
+trainer's strategy object and its private state goes through a function here, so renaming the
+internals changes this file and no test.
+
+Usage::
+
+    from introspect import memory_stats, reset_peak_memory, units
+
+    reset_peak_memory(trainer)                 # from here: training only
+    ...                                        # train
+    assert memory_stats(trainer).peak_transient <= bound
+    assert [u.name for u in units(trainer)][1] == "blocks.0"
+
+Where a public API will answer, the function says which (``TODO(public)``); until it is
+merged the function reads today's internals (``trainer._mode``: the mode object that
+``shard=`` chose, see ``torchshard/_parallel/mode.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchshard import DistributedTrainer
+
+__all__ = [
+    "MemoryStats",
+    "gloo_collectives",
+    "made_groups",
+    "master_slice",
+    "memory_stats",
+    "mode_of",
+    "own_groups",
+    "record_unit_mode_calls",
+    "release_all",
+    "replicated_grad_store",
+    "reset_peak_memory",
+    "slice_range",
+    "stripe_ranges",
+    "stripes",
+    "transient_bytes",
+    "unit_buffers",
+    "unit_geometries",
+    "unit_storage_bytes",
+    "units",
+]
+
+
+def mode_of(trainer: DistributedTrainer) -> Any:
+    """The strategy object behind ``trainer`` (replicated, sharded or fully sharded).
+
+    Example::
+
+        assert type(mode_of(trainer)).__name__ == "FullyShard"
+    """
+    return trainer._mode
+
+
+# -- memory counters ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryStats:
+    """Bytes this rank holds, as ``trainer.memory_stats()`` will return them.
+
+    Example::
+
+        m = memory_stats(trainer)
+        assert m.transient == 0 and m.peak_transient > 0
+    """
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    master: int
+    transient: int
+    peak_transient: int
+
+
+def memory_stats(trainer: DistributedTrainer) -> MemoryStats:
+    """``trainer``'s memory counters: :meth:`memory_bytes` plus the peak of the unit buffers
+    (``shard="full"``; 0 in the other modes). TODO(public): ``trainer.memory_stats()``.
+
+    Example::
+
+        assert memory_stats(trainer).peak_transient <= 4 * block_bytes
+    """
+    m = trainer.memory_bytes()
+    return MemoryStats(
+        parameters=m["parameters"],
+        gradients=m["gradients"],
+        optimizer=m["optimizer"],
+        master=m["master"],
+        transient=m["transient"],
+        peak_transient=getattr(mode_of(trainer), "peak_transient", 0),
+    )
+
+
+def transient_bytes(trainer: DistributedTrainer) -> int:
+    """Bytes of unit buffers allocated now, by the mode's own counter: cheap enough to read at
+    every op. TODO(public): ``trainer.memory_stats().transient``.
+
+    Example::
+
+        assert transient_bytes(trainer) == 0   # between steps
+    """
+    return getattr(mode_of(trainer), "transient", 0)
+
+
+def reset_peak_memory(trainer: DistributedTrainer) -> None:
+    """Restart the peak of the transient counter from what is allocated now (as
+    ``torch.cuda.reset_peak_memory_stats``). TODO(public): ``trainer.reset_peak_memory()``.
+
+    Example::
+
+        reset_peak_memory(trainer)   # from here: training only
+    """
+    mode_of(trainer).reset_peak()
+
+
+# -- the fully sharded mode's units ------------------------------------------------------------
+def units(trainer: DistributedTrainer) -> tuple[Any, ...]:
+    """The units ``shard="full"`` resolved (``Unit``: name, lo, hi, root, kept), in layout
+    order. TODO(public): ``trainer.units``.
+
+    Example::
+
+        assert [u.name for u in units(trainer) if not u.kept] == ["blocks.0", "blocks.1"]
+    """
+    return tuple(mode_of(trainer).units)
+
+
+def unit_geometries(trainer: DistributedTrainer) -> tuple[Any, ...]:
+    """Each unit's stripe geometry (``Geometry``: ``total`` padded elements, ...), by unit.
+
+    Example::
+
+        largest = max(g.total for g in unit_geometries(trainer)) * itemsize
+    """
+    return tuple(mode_of(trainer).geometries)
+
+
+def unit_buffers(trainer: DistributedTrainer) -> tuple[torch.Tensor, ...]:
+    """Each unit's full buffer (its storage is empty while the unit is not gathered).
+
+    Example::
+
+        assert all(b.untyped_storage().nbytes() == 0 for b in unit_buffers(trainer))
+    """
+    return tuple(mode_of(trainer).storage.buffers)
+
+
+def unit_storage_bytes(trainer: DistributedTrainer) -> int:
+    """Bytes the unit buffers hold in storage now: real storage, not the mode's counter.
+
+    Example::
+
+        trainer.step()
+        assert unit_storage_bytes(trainer) == 0   # nothing stays gathered between steps
+    """
+    return sum(b.untyped_storage().nbytes() for b in unit_buffers(trainer))
+
+
+def stripes(trainer: DistributedTrainer) -> torch.Tensor:
+    """This rank's stripes of every unit, in the master dtype: what a load writes and the
+    optimizer updates with ``shard="full"`` (there is no flat buffer).
+
+    Example::
+
+        assert stripes(trainer).dtype == torch.float32
+    """
+    return mode_of(trainer).stripe_weights
+
+
+def stripe_ranges(trainer: DistributedTrainer) -> list[tuple[int, int]]:
+    """The ``[start, end)`` ranges of the flat layout that this rank's stripes hold.
+
+    Example::
+
+        held = sum(b - a for a, b in stripe_ranges(trainer))
+    """
+    return list(mode_of(trainer).stripes())
+
+
+def release_all(trainer: DistributedTrainer) -> None:
+    """Free every gathered unit (after its stripes were written other than by a step).
+
+    Example::
+
+        stripes(trainer).copy_(saved)
+        release_all(trainer)
+    """
+    mode_of(trainer).release_all()
+
+
+def made_groups(trainer: DistributedTrainer) -> bool:
+    """Whether ``shard="full"`` created gather and reduce-scatter groups of its own.
+
+    Example::
+
+        assert made_groups(trainer) is True
+    """
+    return bool(mode_of(trainer).comm.made_groups)
+
+
+@contextlib.contextmanager
+def gloo_collectives(how: str) -> Iterator[None]:
+    """Within the block, ``shard="full"`` on gloo gathers and reduces its units the ``how``
+    way (``"owner"``: a broadcast and a reduce per owner; ``"native"``: all-gather and
+    reduce-scatter); the default is restored after.
+
+    Example::
+
+        with gloo_collectives("native"):
+            trainer = DistributedTrainer(fm, shard="full")
+    """
+    from torchshard._parallel.full import FullyShard
+
+    before = FullyShard.native_gloo
+    FullyShard.native_gloo = how == "native"
+    try:
+        yield
+    finally:
+        FullyShard.native_gloo = before
+
+
+@contextlib.contextmanager
+def record_unit_mode_calls(*methods: str) -> Iterator[list[str]]:
+    """Within the block, the name of each call of the fully sharded mode's ``methods`` (e.g.
+    ``"adopt"``, ``"gather"``), in call order, appended to the list it yields.
+
+    Example::
+
+        with record_unit_mode_calls("gather") as calls:
+            trainer.module(x)
+        assert calls
+    """
+    import torchshard._parallel.full as full
+
+    calls: list[str] = []
+    cls = full.FullyShard
+    real = {m: getattr(cls, m) for m in methods}
+    for name, fn in real.items():
+
+        def record(self: Any, *a: Any, _real: Any = fn, _name: str = name, **kw: Any) -> Any:
+            calls.append(_name)
+            return _real(self, *a, **kw)
+
+        setattr(cls, name, record)
+    try:
+        yield calls
+    finally:
+        for name, fn in real.items():
+            setattr(cls, name, fn)
+
+
+def own_groups(trainer: DistributedTrainer) -> tuple[dist.ProcessGroup, ...]:
+    """The process groups the trainer created for itself (and destroys at close).
+
+    Example::
+
+        groups = own_groups(trainer)
+        trainer.close()   # each of them destroyed
+    """
+    return tuple(mode_of(trainer).own_groups())
+
+
+# -- the bucket modes --------------------------------------------------------------------------
+def replicated_grad_store(trainer: DistributedTrainer) -> torch.Tensor | None:
+    """The replicated mode's reduction buffer: [used-parameter mask | padding | flat gradient]
+    (``None`` when no mask is needed).
+
+    Example::
+
+        mask = replicated_grad_store(trainer).numel() - fm.flat_grad.numel()
+    """
+    return mode_of(trainer)._store
+
+
+def master_slice(trainer: DistributedTrainer) -> torch.Tensor | None:
+    """``shard=True``'s master copy of this rank's slice (``None`` without one).
+
+    Example::
+
+        assert master_slice(trainer).dtype == torch.float32
+    """
+    return mode_of(trainer)._master
+
+
+def slice_range(trainer: DistributedTrainer, rank: int) -> tuple[int, int]:
+    """``[start, end)`` of the flat buffer that ``rank`` owns with ``shard=True``.
+
+    Example::
+
+        s0, e0 = slice_range(trainer, dist.get_rank())
+    """
+    return trainer._geometry.range(rank)
