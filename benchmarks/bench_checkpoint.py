@@ -66,8 +66,8 @@ from _common import (
     run_ranks,
     write_json,
 )
+from report.stats import spread_text, verdict
 from safetensors.torch import save_file
-from summary import spread_text, verdict
 
 from torchshard import DistributedTrainer, FlatParamModule, checkpoint
 

@@ -49,7 +49,7 @@ from _common import (
     run_child,
     write_json,
 )
-from summary import spread_text
+from report.stats import spread_text
 
 from torchshard import FlatParamModule
 

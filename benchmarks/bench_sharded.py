@@ -73,7 +73,7 @@ from _common import (
     run_ranks,
     write_json,
 )
-from summary import spread_text, verdict
+from report.stats import spread_text, verdict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torchshard import DistributedTrainer, FlatParamModule, plan_memory

@@ -28,7 +28,9 @@ def load_summary() -> ModuleType:
     return module
 
 
-summary = load_summary()
+summary = load_summary()  # puts benchmarks/ on sys.path: report/ and rows/ import from there
+from report import stats  # noqa: E402
+
 RUN_ALL = "python benchmarks/run_all.py"
 
 
@@ -68,7 +70,7 @@ def test_every_measured_path_exists() -> None:
 
 
 def test_benchmarks_import_nothing_from_tests() -> None:
-    for script in (REPO / "benchmarks").glob("*.py"):
+    for script in (REPO / "benchmarks").rglob("*.py"):
         text = script.read_text()
         assert not re.search(r"""["'/]tests["'/]|from multiprocess |import multiprocess""", text), (
             script.name
@@ -127,20 +129,20 @@ def test_write_without_markers_exits_2_naming_the_file(tmp_path: Path) -> None:
 
 
 def test_spread_is_p10_p90_from_ten_pairs_on_and_min_max_below() -> None:
-    few = summary.Spread.of([1.0, 3.0, 2.0])
+    few = stats.Spread.of([1.0, 3.0, 2.0])
     assert (few.median, few.lo, few.hi, few.kind) == (2.0, 1.0, 3.0, "min-max")
-    many = summary.Spread.of([float(x) for x in range(1, 22)])  # 1..21
+    many = stats.Spread.of([float(x) for x in range(1, 22)])  # 1..21
     assert (many.median, many.lo, many.hi, many.kind) == (11.0, 3.0, 19.0, "p10-p90")
-    assert summary.spread_text([1.0, 3.0, 2.0]) == "2.00x (min-max 1.00-3.00)"
+    assert stats.spread_text([1.0, 3.0, 2.0]) == "2.00x (min-max 1.00-3.00)"
 
 
 def test_a_target_is_met_only_when_the_paired_ratios_mostly_meet_it() -> None:
     ratios = [0.9] * 8 + [1.5] * 2  # median 0.9 either way
-    assert summary.verdict(ratios, 1.0) == "met (8 of 10 <= 1)"
-    assert summary.verdict([0.9] * 7 + [1.5] * 3, 1.0).startswith("unclear (7 of 10")
-    assert summary.verdict([0.9] * 2 + [1.5] * 8, 1.0).startswith("missed (2 of 10")
+    assert stats.verdict(ratios, 1.0) == "met (8 of 10 <= 1)"
+    assert stats.verdict([0.9] * 7 + [1.5] * 3, 1.0).startswith("unclear (7 of 10")
+    assert stats.verdict([0.9] * 2 + [1.5] * 8, 1.0).startswith("missed (2 of 10")
     # the audit's case: a median under the target, most pairs over it
-    assert summary.verdict([1.2, 1.25, 1.33, 1.45, 2.49], 1.3).startswith("unclear (2 of 5")
+    assert stats.verdict([1.2, 1.25, 1.33, 1.45, 2.49], 1.3).startswith("unclear (2 of 5")
 
 
 # -- the fully sharded rows, on made-up results --------------------------------------------------
@@ -154,7 +156,7 @@ def row(what: str) -> summary.Row:
 def full_results(by_world: dict[str, list[float]], memory: dict[str, list[float]]) -> dict:
     """A full.json with owner/native ratios per world size and full/replicated RSS ratios
     per allocator (every other number made up)."""
-    ranks = [{"memory_bytes": {k: 1 << 20 for k in summary.PERSISTENT}}]
+    ranks = [{"memory_bytes": {k: 1 << 20 for k in stats.PERSISTENT}}]
     launch = {k: {"ranks": ranks} for k in ("full", "replicated")}
     return {
         "full": {
