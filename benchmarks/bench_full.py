@@ -62,6 +62,7 @@ from _common import (
     run_ranks,
     write_json,
 )
+from report.freshness import hashes
 from report.stats import spread_text, verdict
 
 from torchshard import DistributedTrainer, FlatParamModule, plan_memory
@@ -341,7 +342,7 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/full.json")
     opts = p.parse_args()
     opts.worlds = [int(w) for w in opts.worlds.split(",")]
-    t_start, machine = now(), machine_info()
+    t_start, machine, code = now(), machine_info(), hashes("full")
 
     mem = memory(opts)
     first = mem["glibc"]["rounds"][0]
@@ -393,7 +394,8 @@ def main() -> None:
     load, total = os.getloadavg(), now() - t_start
     print(f"\ntotal {total:.0f} s; 1-min load {machine['loadavg'][0]:.1f} at start, "
           f"{load[0]:.1f} at end ({os.cpu_count()} CPUs)")  # fmt: skip
-    results = {"benchmark": "full", "machine": machine, "args": vars(opts), "threads_per_rank": 1}
+    results = {"benchmark": "full", "machine": machine, "measured": code, "args": vars(opts)}
+    results["threads_per_rank"] = 1
     results["memory"] = {
         "world_size": MEM_WORLD,
         "model": MEM_MODEL,

@@ -73,6 +73,7 @@ from _common import (
     run_ranks,
     write_json,
 )
+from report.freshness import hashes
 from report.stats import spread_text, verdict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -351,7 +352,7 @@ def main() -> None:
     p.add_argument("--comm-timeout", type=float, default=120, help="gloo collective timeout (s)")
     p.add_argument("--out", default="benchmarks/results/sharded.json")
     opts = p.parse_args()
-    t_start, machine = now(), machine_info()
+    t_start, machine, code = now(), machine_info(), hashes("sharded")
     ranks = run_ranks(run, WORLD, opts, timeout_s=opts.timeout, comm_timeout_s=opts.comm_timeout)
     errors = {n: e for r in ranks for n, e in r["errors"].items()}
     names = [n for n in CONFIGS if n not in errors]
@@ -501,6 +502,7 @@ def main() -> None:
     results = {
         "benchmark": "sharded",
         "machine": machine,
+        "measured": code,
         "args": vars(opts),
         "threads_per_rank": 1,
     }

@@ -20,9 +20,11 @@ and ``<!-- benchmark-table:end -->`` of each file with the table; ``--check`` ex
 (naming the file) where that text differs from what ``--write`` would put there.
 Either exits 2, naming the file, if a file lacks the markers.
 
-``--stale`` (a step of .ci/run, after the tests: it needs the history) holds each result
-against the code it measured: its commit must be an ancestor of HEAD and no later commit may
-touch what it measures (``report/freshness.py``). Stdlib only.
+``--stale`` (a step of .ci/run, after the tests) holds each result against the code it
+measured, by content (``report/freshness.py``): every result records the SHA-256 of each
+file it measures (``measured``), and a result is stale where one of those files changed,
+appeared or disappeared since. It names each stale result and the changed paths. No git
+needed. Stdlib only.
 """
 
 from __future__ import annotations

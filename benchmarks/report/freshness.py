@@ -1,128 +1,145 @@
-"""Is each benchmark result as new as the code it measured? (A step of .ci/run, after the
-tests: it needs the history.)
+"""Is each benchmark result as new as the code it measured? By content, not by history.
 
-Each result's ``machine.git_commit`` must be an ancestor of HEAD,
-``git log <commit>..HEAD -- <paths it measures>`` (:data:`MEASURES`) must be empty and the
-tree must have been clean there when it ran (``machine.git_dirty``). Where git cannot tell
-(not installed, not a repository, a shallow clone without the commit, no commit recorded)
-that is a failure too, never a pass. Stdlib only.
+Each results file records ``measured: {path: sha256}``: the files its benchmark depends on
+(:data:`MEASURES`), hashed when it started. :func:`stale` hashes the same paths in the
+working tree and names every result where one changed, appeared or disappeared. Like DVC's
+``dvc.lock`` or Bazel's action keys: no git needed, so it works in a tarball and in a
+shallow clone, and a result measured with uncommitted changes is stale unless exactly those
+changes were committed. Stdlib only.
+
+A path of :data:`MEASURES` is a file, a directory (its ``*.py`` files, at any depth) or a
+glob; one that starts with ``!`` removes what it matches. Directories and globs survive a
+module becoming a package (``torchshard/_parallel/full.py`` -> ``full/``).
 """
 
 from __future__ import annotations
 
-import subprocess
+import glob
+import hashlib
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from .results import COMMAND, FILES, REPO, RUN, Results
+from .results import COMMAND, FILES, REPO, Results
 
-# What each result measured: a commit that changed any of these since the result's commit
-# makes it stale. The benchmark's own script, the shared helpers and the example model and
-# data it runs count too.
 _COMMON = ("benchmarks/_common.py", "examples/gpt.py")
-_TRAINING = (
+# The trainer and the modes that keep whole buckets (replicated, shard=True): every file of
+# the parallel wing but the fully sharded mode's.
+_TRAINER = (
     "torchshard/_flat",
-    "torchshard/_parallel",
     "torchshard/_dist.py",
-    "examples/train_gpt.py",
+    "torchshard/_exit.py",
+    "torchshard/_stepped.py",
 )
+_BUCKET_MODES = (*_TRAINER, "torchshard/_parallel", "!torchshard/_parallel/full*")
+_ALL_MODES = (*_TRAINER, "torchshard/_parallel")
+
+# What each result measured: its own script, the library code it runs, the example model
+# and data it trains.
 MEASURES: dict[str, tuple[str, ...]] = {
     "flat": ("benchmarks/bench_flat.py", "torchshard/_flat", *_COMMON),
-    "trainer": ("benchmarks/bench_trainer.py", *_TRAINING, *_COMMON),
-    "sharded": ("benchmarks/bench_sharded.py", *_TRAINING, *_COMMON),
-    "full": ("benchmarks/bench_full.py", *_TRAINING, *_COMMON),
+    "trainer": ("benchmarks/bench_trainer.py", *_BUCKET_MODES, "examples/train_gpt.py", *_COMMON),
+    "sharded": ("benchmarks/bench_sharded.py", *_ALL_MODES, "examples/train_gpt.py", *_COMMON),
+    "full": ("benchmarks/bench_full.py", *_ALL_MODES, *_COMMON),
     "checkpoint": (
         "benchmarks/bench_checkpoint.py",
         "torchshard/checkpoint",
-        "torchshard/_flat",
-        "torchshard/_parallel",
-        "torchshard/_dist.py",
+        *_BUCKET_MODES,
         *_COMMON,
     ),
     "scale": (
         "benchmarks/scale.py",
         "torchshard/_flat",
         "torchshard/_parallel/memory.py",
+        "torchshard/_parallel/units.py",
         "torchshard/checkpoint",
     ),
 }
 
 
-def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=60
-    )
+def expand(spec: str, repo: Path = REPO) -> list[str]:
+    """The files one path of :data:`MEASURES` stands for, relative to ``repo``, sorted.
+
+    >>> "torchshard/_flat/layout.py" in expand("torchshard/_flat")
+    True
+    """
+    hits = glob.glob(spec, root_dir=repo) if any(c in spec for c in "*?[") else [spec]
+    out: set[str] = set()
+    for hit in hits:
+        path = repo / hit
+        if path.is_file():
+            out.add(Path(hit).as_posix())
+        elif path.is_dir():
+            out.update(p.relative_to(repo).as_posix() for p in path.rglob("*.py") if p.is_file())
+    return sorted(out)
+
+
+def files(specs: Iterable[str], repo: Path = REPO) -> list[str]:
+    """Every file ``specs`` name (``!spec`` removes), relative to ``repo``, sorted.
+
+    >>> "torchshard/_parallel/full.py" in files(MEASURES["trainer"])
+    False
+    """
+    specs = list(specs)
+    keep = {f for s in specs if not s.startswith("!") for f in expand(s, repo)}
+    drop = {f for s in specs if s.startswith("!") for f in expand(s[1:], repo)}
+    return sorted(keep - drop)
+
+
+def sha256(path: Path) -> str:
+    """The hex SHA-256 of a file's bytes.
+
+    >>> len(sha256(Path(__file__)))
+    64
+    """
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def hashes(name: str, repo: Path = REPO) -> dict[str, str]:
+    """``{path: sha256}`` of what the benchmark ``name`` measures: its results' ``measured``.
+
+    >>> sorted(hashes("flat"))[0]
+    'benchmarks/_common.py'
+    """
+    return {f: sha256(repo / f) for f in files(MEASURES[name], repo)}
+
+
+def changes(recorded: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
+    """``path (changed)``, ``path (new)``, ``path (gone)``: how ``now`` differs, sorted.
+
+    >>> changes({"a.py": "1", "b.py": "2"}, {"a.py": "1", "b.py": "3", "c.py": "4"})
+    ['b.py (changed)', 'c.py (new)']
+    """
+    out = [f"{p} (changed)" for p in recorded if p in now and now[p] != recorded[p]]
+    out += [f"{p} (new)" for p in now if p not in recorded]
+    out += [f"{p} (gone)" for p in recorded if p not in now]
+    return sorted(out)
 
 
 def stale(results: Results, repo: Path = REPO) -> list[str]:
     """Why results are not known to be current, one line each (empty: every one is).
 
-    A result is current when its ``machine.git_commit`` is an ancestor of HEAD, no commit
-    since touched the paths it measures (:data:`MEASURES`), and none of those paths had
-    uncommitted changes when it ran (``machine.git_dirty``). Not knowing is a problem too:
-    no git, no repository, a shallow clone that lacks the commit, no commit recorded.
+    A result is current when its ``measured`` hashes equal those of the same paths in
+    ``repo`` now. A missing file, or one that records no hashes, is stale too.
+
+    >>> stale({"flat": {"measured": hashes("flat")}})[0]  # doctest: +ELLIPSIS
+    'trainer.json: missing; run python benchmarks/run_all.py'
     """
     problems: list[str] = []
-    try:
-        ok = _git(repo, "rev-parse", "--is-inside-work-tree")
-    except (OSError, subprocess.SubprocessError) as e:
-        return [f"cannot check the results against the code: git failed to run ({e})"]
-    if ok.returncode != 0 or ok.stdout.strip() != "true":
-        return [f"cannot check the results against the code: {repo} is not a git work tree"]
-    shallow = _git(repo, "rev-parse", "--is-shallow-repository").stdout.strip() == "true"
     for name in FILES:
         if name not in results:
             problems.append(f"{name}.json: missing; run {COMMAND}")
             continue
-        machine = results[name].get("machine") or {}
-        commit = machine.get("git_commit")
-        if not commit:
-            problems.append(f"{name}.json: records no commit (machine.git_commit); run {COMMAND}")
-            continue
-        paths = MEASURES[name]
-        if _git(repo, "cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
-            hint = (
-                "this is a shallow clone: fetch the history (git fetch --unshallow)"
-                if shallow
-                else f"the commit is not in this repository; run {COMMAND}"
-            )
-            problems.append(f"{name}.json: measured at {commit[:10]}, unknown here: {hint}")
-            continue
-        if _git(repo, "merge-base", "--is-ancestor", commit, "HEAD").returncode != 0:
+        recorded = results[name].get("measured")
+        if not isinstance(recorded, dict) or not recorded:
             problems.append(
-                f"{name}.json: measured at {commit[:10]}, not an ancestor of HEAD; run {COMMAND}"
+                f"{name}.json: records no hashes of the code it measured (`measured`); "
+                f"run {COMMAND}"
             )
             continue
-        log = _git(repo, "log", "--format=%h %s", f"{commit}..HEAD", "--", *paths)
-        if log.returncode != 0:
-            problems.append(f"{name}.json: git log failed: {log.stderr.strip()}")
-        elif log.stdout.strip():
-            changes = log.stdout.strip().splitlines()
+        changed = changes(recorded, hashes(name, repo))
+        if changed:
             problems.append(
-                f"{name}.json: measured at {commit[:10]}; {len(changes)} later commit(s) change "
-                f"what it measures ({', '.join(paths)}), e.g. {changes[0]}; run {COMMAND}"
+                f"{name}.json: the code it measures changed since: {', '.join(changed)}; "
+                f"run {COMMAND}"
             )
-        dirty = machine.get("git_dirty")
-        if dirty is None:
-            problems.append(
-                f"{name}.json: does not record whether the tree was clean; run {COMMAND}"
-            )
-        else:
-            touched = [f for f in dirty if any(f == p or f.startswith(p + "/") for p in paths)]
-            if touched:
-                problems.append(
-                    f"{name}.json: measured with uncommitted changes to {', '.join(touched)}: "
-                    f"it belongs to no commit; commit, then run {COMMAND}"
-                )
-    commits = {
-        str((results[n].get("machine") or {}).get("git_commit")) for n in FILES if n in results
-    }
-    if RUN in results:
-        commits.add(str((results[RUN].get("machine") or {}).get("git_commit")))
-    else:
-        problems.append(f"run.json: missing; run {COMMAND}")
-    if len(commits) > 1:
-        problems.append(
-            f"the results come from {len(commits)} commits ({', '.join(sorted(c[:10] for c in commits))}),"
-            f" not one; run {COMMAND}"
-        )
     return problems
