@@ -81,6 +81,13 @@ def test_benchmarks_import_nothing_from_tests() -> None:
         )
 
 
+def test_benchmarks_read_no_private_state_of_torchshard_objects() -> None:
+    # Public API only: renaming a private counter inside torchshard breaks no benchmark.
+    for script in (REPO / "benchmarks").rglob("*.py"):
+        text = script.read_text()
+        assert not re.search(r"""\._mode\b|getattr\([^)]*["']_(?!_)""", text), script.name
+
+
 # -- the table's mechanics -------------------------------------------------------------------------
 
 
