@@ -22,14 +22,15 @@ from pathlib import Path
 from .results import COMMAND, FILES, REPO, Results
 
 _COMMON = ("benchmarks/_common.py", "examples/gpt.py")
-# The trainer and the modes that keep whole buckets (replicated, shard=True): every file of
-# the parallel wing but the fully sharded mode's.
+# What a trainer runs outside the parallel wing: the flat module, process group, exit, guards.
 _TRAINER = (
     "torchshard/_flat",
     "torchshard/_dist.py",
     "torchshard/_exit.py",
     "torchshard/_stepped.py",
 )
+# The modes that keep whole buckets (replicated, shard=True) run every file of the parallel
+# wing but the fully sharded mode's.
 _BUCKET_MODES = (*_TRAINER, "torchshard/_parallel", "!torchshard/_parallel/full*")
 _ALL_MODES = (*_TRAINER, "torchshard/_parallel")
 
