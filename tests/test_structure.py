@@ -23,7 +23,24 @@ FLAT = {  # the buffer: imports nothing from parallelism or checkpointing
 }
 PARALLEL = {  # data parallelism: the trainer core, one file per mode, the protocol
     "_parallel.buckets": {"_flat.layout"},
-    "_parallel.memory": {"_errors", "_flat.geometry", "_flat.layout", "_parallel.units"},
+    "_parallel.footprint": {"_errors", "_flat.geometry", "_flat.layout", "_parallel.units"},
+    "_parallel.memory": {
+        "_flat.geometry",
+        "_flat.layout",
+        "_parallel.footprint",
+        "_parallel.modes",
+        "_parallel.units",
+    },
+    # the registry: the one module that names the modes
+    "_parallel.modes": {
+        "_errors",
+        "_parallel.footprint",
+        "_parallel.full",
+        "_parallel.mode",
+        "_parallel.replicated",
+        "_parallel.sharded",
+        "_parallel.units",
+    },
     "_parallel.mode": {"_flat.geometry", "_flat.module", "_parallel.buckets"},
     "_parallel.replicated": {"_parallel.buckets", "_parallel.mode"},
     "_parallel.sharded": {"_parallel.buckets", "_parallel.mode"},
@@ -58,12 +75,10 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_flat.module",
         "_log",
         "_parallel.buckets",
-        "_parallel.full",
         "_parallel.mode",
+        "_parallel.modes",
         "_parallel.reducer",
-        "_parallel.replicated",
         "_parallel.setup",
-        "_parallel.sharded",
         "_parallel.units",
         "_stepped",
     },
@@ -168,6 +183,8 @@ ROOT = {  # shared ground floor, and the tools above the wings
         "checkpoint._tools",
     },
 }
+
+
 ALLOWED = FLAT | PARALLEL | CHECKPOINT | ROOT
 WINGS = {"_flat": FLAT, "_parallel": PARALLEL, "checkpoint": CHECKPOINT}
 
