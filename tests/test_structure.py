@@ -165,26 +165,33 @@ ROOT = {  # shared ground floor, and the tools above the wings
     "_exit": {"_log"},  # a clean exit: close every trainer, then the default group
     "_dist": {"_errors", "_exit", "_log"},
     "data": {"_errors"},
-    "_estimate": {
-        "_errors",
+    # torchshard estimate: a model on meta -> its estimate -> the table -> its command line
+    "_estimate.model": {"_errors", "_flat.layout", "_flat.module", "_log"},
+    "_estimate.estimate": {
+        "_estimate.model",
         "_flat.layout",
-        "_flat.module",
-        "_log",
         "_parallel.memory",
+        "_parallel.modes",
+        "_parallel.units",
+    },
+    "_estimate.table": {"_estimate.estimate", "_flat.layout", "_parallel.memory"},
+    "_estimate.command": {
+        "_estimate.estimate",
+        "_estimate.model",
+        "_estimate.table",
+        "_parallel.modes",
         "_parallel.units",
     },
     "_cli": {
         "__init__",
         "_errors",
         "_estimate",
+        "_estimate.model",
         "_flat.layout",
-        "_parallel.units",
         "checkpoint._inspect",
         "checkpoint._tools",
     },
 }
-
-
 ALLOWED = FLAT | PARALLEL | CHECKPOINT | ROOT
 WINGS = {"_flat": FLAT, "_parallel": PARALLEL, "checkpoint": CHECKPOINT}
 

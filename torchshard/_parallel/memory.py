@@ -20,7 +20,7 @@ from .footprint import (
     transient_bytes,
     transient_of_sizes,
 )
-from .modes import Choice, ModeEntry, ModeError, choose, entry_for, is_alias
+from .modes import Choice, ModeEntry, ModeError, choose, entry_for
 from .units import Unit, layout_units
 
 __all__ = [
@@ -28,24 +28,12 @@ __all__ = [
     "PlanError",
     "RankMemory",
     "bounds",
-    "check_shard",
     "floor",
     "padded_numel",
     "plan_memory",
     "transient_bytes",
     "transient_of_sizes",
 ]
-
-
-def check_shard(shard: object) -> bool | str:
-    """``shard`` as an alias the trainer reads; anything else raises :class:`PlanError`."""
-    if not is_alias(shard):
-        try:
-            entry_for(shard)
-        except ModeError as e:
-            raise PlanError(str(e)) from e
-        raise PlanError(f"shard: expected an alias, got {shard!r}")
-    return shard  # type: ignore[return-value]
 
 
 def padded_numel(layout: FlatLayout, world_size: int, shard: bool) -> int:
