@@ -147,3 +147,24 @@ def test_a_choice_trains_bitwise_as_its_alias():
         assert masters[1][0] == masters[1][1] > 0, masters  # master_dtype reached the mode
         assert errors[0].startswith("prefetch: expected the mode's settings inside"), errors
         assert "Replicate takes no units" in errors[1], errors
+
+
+def test_the_registry_readers_spell_no_mode():
+    """The modules that read the registry name no mode themselves (the trainer's docstrings,
+    full.py and checkpoint/ are being cut elsewhere; see issue 20)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(torchshard.__file__).parent
+    readers = [root / "_cli.py", *(root / "_estimate").glob("*.py")]
+    readers += [root / "_parallel" / n for n in ("memory.py", "footprint.py")]
+    names = {a for a in ALIASES if isinstance(a, str)} | {e.name for e in MODES}
+    for path in readers:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert node.value not in names, f"{path.name}:{node.lineno}: {node.value!r}"
+            if isinstance(node, ast.Compare):  # shard is False / == True: branching on an alias
+                consts = [c for c in (node.left, *node.comparators) if isinstance(c, ast.Constant)]
+                assert not any(isinstance(c.value, bool) for c in consts), (
+                    f"{path.name}:{node.lineno}: {ast.unparse(node)}"
+                )
