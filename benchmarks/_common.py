@@ -113,7 +113,8 @@ DIRTY_WATCH = ("torchshard", "examples", "benchmarks", ":(exclude)benchmarks/res
 def _git_dirty() -> list[str] | None:
     """Files under :data:`DIRTY_WATCH` that differ from HEAD (``None``: git could not say).
 
-    ``benchmarks/summary.py`` holds a result whose benchmark's paths are among them stale.
+    For humans and for run_all.py, which refuses to run while any are: the tables name the
+    commit. Freshness does not use it: each result's ``measured`` hashes say what it ran.
     """
     try:
         out = subprocess.run(

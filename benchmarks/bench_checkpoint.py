@@ -66,8 +66,9 @@ from _common import (
     run_ranks,
     write_json,
 )
+from report.freshness import hashes
+from report.stats import spread_text, verdict
 from safetensors.torch import save_file
-from summary import spread_text, verdict
 
 from torchshard import DistributedTrainer, FlatParamModule, checkpoint
 
@@ -497,7 +498,7 @@ def main() -> None:
     if opts.child:
         print(json.dumps(child(opts.child, opts)))
         return
-    t_start, machine = now(), machine_info()
+    t_start, machine, code = now(), machine_info(), hashes("checkpoint")
     work = Path(tempfile.mkdtemp(prefix="bench_checkpoint-", dir=opts.dir))
     try:
         cfg = gpt_config(opts.size_gb, opts.block)
@@ -506,7 +507,8 @@ def main() -> None:
             train_step(fm, opt, batch(cfg.block_size, i))
         df = subprocess.run(["df", "-T", str(work)], capture_output=True, text=True).stdout
         dev, fstype = df.splitlines()[-1].split()[:2]
-        r: dict = {"benchmark": "checkpoint", "machine": machine, "args": vars(opts), "df": df,
+        r: dict = {"benchmark": "checkpoint", "machine": machine, "measured": code,
+                   "args": vars(opts), "df": df,
                    "fs": f"{work} on {dev} ({fstype})", "drop_caches": drop_caches(),
                    "state_bytes": state_bytes(fm, opt), "model": f"GPT n_layer={cfg.n_layer} "
                    f"n_embd=768, {fm.layout.param_numel / 1e6:.1f}M params + AdamW"}  # fmt: skip

@@ -49,7 +49,8 @@ from _common import (
     run_child,
     write_json,
 )
-from summary import spread_text
+from report.freshness import hashes
+from report.stats import spread_text
 
 from torchshard import FlatParamModule
 
@@ -290,7 +291,8 @@ def main() -> None:
         return
 
     t_start = time.perf_counter()
-    results: dict = {"benchmark": "flat", "machine": machine_info(), "args": vars(args)}
+    results: dict = {"benchmark": "flat", "machine": machine_info(), "measured": hashes("flat")}
+    results["args"] = vars(args)
     sizes = [x for x in args.sizes.split(",") if x]
     layouts = [
         run_child(__file__, ["--child", size, "--repeats", str(args.repeats)]) for size in sizes

@@ -28,13 +28,14 @@ waiting for a core, which is why the collectives are compared in pairs, never al
    it). Per round: the fully sharded rank's growth over the replicated rank's, the max over
    ranks. Target: <= 0.5 (issue 13). Each trainer's ``memory_bytes()`` and ``plan_memory()``
    are recorded beside it.
-2. **gloo collectives for one unit.** ``torchshard._parallel.full.GLOO_COLLECTIVES``:
+2. **gloo collectives for one unit.** The fully sharded mode's two gloo strategies (an
+   internal choice, ``GLOO_COLLECTIVES``; no public option yet):
    ``"owner"`` gathers a unit with one ``broadcast`` per owner and reduce-scatters its
    gradient with one ``reduce`` per owner (all launched, then waited for); ``"native"`` calls
    ``all_gather_single`` (in place: the rank's stripe is its input) and
-   ``reduce_scatter_single``. The same calls as ``full.py`` makes, on a buffer of a GPT-2
-   small block (7.1M fp32 elements) and of the benchmark GPT's block (198K), padded to equal
-   stripes, at each of ``--worlds``. Every repetition times a gather and then a
+   ``reduce_scatter_single``. The same calls as the fully sharded mode makes, on a buffer of
+   a GPT-2 small block (7.1M fp32 elements) and of the benchmark GPT's block (198K), padded
+   to equal stripes, at each of ``--worlds``. Every repetition times a gather and then a
    reduce-scatter with each strategy, in an order rotated every repetition, after a barrier;
    per repetition the max over ranks; the paired ratio owner / native per repetition (wall
    and process CPU time). The faster strategy at a world size is the one that wins at least
@@ -62,7 +63,8 @@ from _common import (
     run_ranks,
     write_json,
 )
-from summary import spread_text, verdict
+from report.freshness import hashes
+from report.stats import spread_text, verdict
 
 from torchshard import DistributedTrainer, FlatParamModule, plan_memory
 
@@ -223,7 +225,8 @@ def memory(opts: argparse.Namespace) -> dict:
 
 # -- 2. gloo collectives for one unit --------------------------------------------------------------
 def gather(strategy: str, buf: torch.Tensor, n: int) -> None:
-    """Unit ``buf`` whole from every rank's stripe of ``n`` elements (full.py's calls)."""
+    """Unit ``buf`` whole from every rank's stripe of ``n`` elements (the fully sharded
+    mode's calls)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if strategy == "native":
         works = [dist.all_gather_single(buf, buf[rank * n : (rank + 1) * n], async_op=True)]
@@ -234,7 +237,7 @@ def gather(strategy: str, buf: torch.Tensor, n: int) -> None:
 
 
 def reduce_scatter(strategy: str, grad: torch.Tensor, out: torch.Tensor, n: int) -> None:
-    """Stripe ``rank`` of the sum of every rank's ``grad`` (full.py's calls)."""
+    """Stripe ``rank`` of the sum of every rank's ``grad`` (the fully sharded mode's calls)."""
     world = dist.get_world_size()
     op = dist.ReduceOp.SUM
     if strategy == "native":
@@ -341,7 +344,7 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/full.json")
     opts = p.parse_args()
     opts.worlds = [int(w) for w in opts.worlds.split(",")]
-    t_start, machine = now(), machine_info()
+    t_start, machine, code = now(), machine_info(), hashes("full")
 
     mem = memory(opts)
     first = mem["glibc"]["rounds"][0]
@@ -393,7 +396,8 @@ def main() -> None:
     load, total = os.getloadavg(), now() - t_start
     print(f"\ntotal {total:.0f} s; 1-min load {machine['loadavg'][0]:.1f} at start, "
           f"{load[0]:.1f} at end ({os.cpu_count()} CPUs)")  # fmt: skip
-    results = {"benchmark": "full", "machine": machine, "args": vars(opts), "threads_per_rank": 1}
+    results = {"benchmark": "full", "machine": machine, "measured": code, "args": vars(opts)}
+    results["threads_per_rank"] = 1
     results["memory"] = {
         "world_size": MEM_WORLD,
         "model": MEM_MODEL,

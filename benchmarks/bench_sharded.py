@@ -34,10 +34,10 @@ step, the max over ranks; "paired" ratios are a/b of the same step index, one pe
 their median and p10-p90 are reported. Memory: optimizer state bytes per rank (torchshard:
 its optimizer's tensors; DDP/FSDP2: ``opt.state`` tensors, DTensors counted by their local
 shard), torchshard's ``memory_bytes()`` beside ``plan_memory()`` (fully sharded: the
-persistent fields equal, and the largest unit-buffer bytes the mode held at once, its
-``peak_transient``, beside the plan's ``transient``). At this model size the RSS
-is dominated by activations, so no RSS is reported here (bench_trainer.py measures gradient
-storage on a model whose gradients dominate). A configuration that fails to build (FSDP2
+persistent fields equal, and the largest unit-buffer bytes the mode held at once,
+``trainer.memory_stats().peak_transient``, beside the plan's ``transient``). At this model
+size the RSS is dominated by activations, so no RSS is reported here (bench_trainer.py
+measures gradient storage on a model whose gradients dominate). A configuration that fails to build (FSDP2
 on an old torch, say) is reported with its error instead of numbers. Losses of every step
 are compared with DDP's (same weights and data), ts_full's with ts_repl's and ts_full_bf16's
 with ts_shard_bf16's (the issue's parity: equal at 2 ranks).
@@ -73,11 +73,11 @@ from _common import (
     run_ranks,
     write_json,
 )
-from summary import spread_text, verdict
+from report.freshness import hashes
+from report.stats import spread_text, verdict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torchshard import DistributedTrainer, FlatParamModule, plan_memory
-from torchshard._parallel.units import resolve_units
 
 fully_shard, DTensor = fsdp2_api()
 
@@ -168,7 +168,7 @@ class Config:
             )
             self.units = [
                 {"name": u.name, "numel": u.numel, "kept": u.kept, "root": u.root}
-                for u in resolve_units(fm.module, fm.layout, "auto")
+                for u in self.trainer.units
             ]
             self.net = fm
             self.opt = self.trainer.make_optimizer(torch.optim.AdamW, **ADAMW)
@@ -259,9 +259,8 @@ def run(opts: argparse.Namespace) -> dict:
             memory[name].update(padded_numel=c.trainer.padded_numel, flat_numel=fm.numel)
             memory[name].update(buckets=c.trainer.stats.buckets)
             memory[name]["launched_during_backward"] = c.trainer.stats.launched_during_backward
-            # the most unit-buffer bytes held at once (no public counter yet: the mode's own)
-            peak = getattr(getattr(c.trainer, "_mode", None), "peak_transient", None)
-            memory[name]["peak_transient"] = peak
+            # the most unit-buffer bytes held at once since the trainer was built
+            memory[name]["peak_transient"] = c.trainer.memory_stats().peak_transient
             c.trainer.close()
     return {
         "wall": wall,
@@ -351,7 +350,7 @@ def main() -> None:
     p.add_argument("--comm-timeout", type=float, default=120, help="gloo collective timeout (s)")
     p.add_argument("--out", default="benchmarks/results/sharded.json")
     opts = p.parse_args()
-    t_start, machine = now(), machine_info()
+    t_start, machine, code = now(), machine_info(), hashes("sharded")
     ranks = run_ranks(run, WORLD, opts, timeout_s=opts.timeout, comm_timeout_s=opts.comm_timeout)
     errors = {n: e for r in ranks for n, e in r["errors"].items()}
     names = [n for n in CONFIGS if n not in errors]
@@ -501,6 +500,7 @@ def main() -> None:
     results = {
         "benchmark": "sharded",
         "machine": machine,
+        "measured": code,
         "args": vars(opts),
         "threads_per_rank": 1,
     }

@@ -65,7 +65,8 @@ from _common import (
     run_ranks,
     write_json,
 )
-from summary import spread_text, verdict
+from report.freshness import hashes
+from report.stats import spread_text, verdict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torchshard import DistributedTrainer, FlatParamModule
@@ -318,7 +319,7 @@ def main() -> None:
     p.add_argument("--mem-steps", type=int, default=3, help="steps per fresh memory run")
     p.add_argument("--out", default="benchmarks/results/trainer.json")
     opts = p.parse_args()
-    t_start, machine = now(), machine_info()
+    t_start, machine, code = now(), machine_info(), hashes("trainer")
     main_ranks = run_ranks(task, WORLD, "main", opts)
     main_s = now() - t_start
     # glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold resident; a
@@ -410,6 +411,7 @@ def main() -> None:
     results = {
         "benchmark": "trainer",
         "machine": machine,
+        "measured": code,
         "args": vars(opts),
         "threads_per_rank": 1,
     }

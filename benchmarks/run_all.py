@@ -9,13 +9,15 @@ scale.py one after the other (each in its own interpreter, with the step and rou
 so that the whole run fits in 15 minutes on the project's 2-core machine when nothing else
 runs there), writes ``run.json`` (this command, each script's wall time, the machine and
 commit), then ``python benchmarks/summary.py --write README.md benchmarks/README.md`` and
-checks the results against the code (``summary.py --stale``). Prints its wall time.
+checks the results against the code (``summary.py --stale``: each script records the SHA-256
+of every file it measures). Prints its wall time.
 
 The tables name the commit the results come from, so by default this refuses to run with
 uncommitted changes under torchshard/, examples/ or benchmarks/ (``--allow-dirty`` runs
-anyway; the results then record the changed files and ``summary.py --stale``, which
-.ci/run runs, holds them stale). ``--quick`` and ``--results DIR`` (other than benchmarks/results) leave
-the README tables alone and print the table instead.
+anyway; the results then record the changed files in ``machine.git_dirty``, and
+``summary.py --stale``, which .ci/run runs, holds them stale unless exactly that content is
+what gets committed). ``--quick`` and ``--results DIR`` (other than benchmarks/results)
+leave the README tables alone and print the table instead.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if dirty and official and not args.allow_dirty:
         print(
             f"uncommitted changes to {', '.join(dirty)}: the tables name the commit the results "
-            "come from; commit first (or --allow-dirty: the results are then marked stale)",
+            "come from; commit first (or --allow-dirty: stale unless exactly that is committed)",
             file=sys.stderr,
         )
         return 2

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from _common import machine_info, write_json
+from report.freshness import hashes
 
 import torchshard
 from torchshard._flat.hf import transformers_config
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "scale.json"))
     args = p.parse_args(argv)
-    t_start = time.perf_counter()
+    t_start, code = time.perf_counter(), hashes("scale")
     fm = llama()
     layout = fm.layout
     rows = table(fm)
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['gradients'] / gib:>7.1f}Gi {r['optimizer'] / gib:>7.2f}Gi {r['master'] / gib:>7.2f}Gi "
             f"{r['replicated_12_bytes'] / gib:>10.1f}Gi {r['metadata_bytes'] / 1024:>7.0f}Ki"
         )
-    out = {"benchmark": "scale", "machine": machine_info(), "model": "llama-70b", "rows": rows}
+    out = {"benchmark": "scale", "machine": machine_info(), "measured": code}
+    out.update(model="llama-70b", rows=rows)
     out["computed"] = {
         "memory": "plan_memory(layout, world, shard=True, optimizer='adamw'): the rank with the most",
         "metadata_bytes": metadata_bytes.__doc__.split("\n\n")[0].replace("\n", " "),

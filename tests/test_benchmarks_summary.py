@@ -1,11 +1,10 @@
 """benchmarks/summary.py: the README tables are generated from benchmarks/results/*.json, and
-those results are not older than the code they measure."""
+the freshness check of those results against the code they measure (by content hash: no git)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -28,7 +27,9 @@ def load_summary() -> ModuleType:
     return module
 
 
-summary = load_summary()
+summary = load_summary()  # puts benchmarks/ on sys.path: report/ and rows/ import from there
+from report import freshness, stats  # noqa: E402
+
 RUN_ALL = "python benchmarks/run_all.py"
 
 
@@ -59,20 +60,32 @@ def test_every_row_is_measured_from_the_results() -> None:
         assert summary.measured(row, results)[0] != summary.NOT_MEASURED, row.what
 
 
-def test_every_measured_path_exists() -> None:
-    # A misspelt path would make `git log -- <path>` empty forever: never stale.
-    for name, paths in summary.MEASURES.items():
-        for path in paths:
-            assert (REPO / path).exists(), (name, path)
-    assert set(summary.MEASURES) == set(summary.FILES)
+def test_every_measured_path_names_files() -> None:
+    # A misspelt path would hash nothing, forever: never stale.
+    for name, specs in summary.MEASURES.items():
+        for spec in specs:
+            assert freshness.expand(spec.removeprefix("!"), REPO), (name, spec)
+    assert tuple(summary.MEASURES) == summary.FILES
+
+
+def test_each_benchmark_records_the_hashes_of_what_it_measures() -> None:
+    for name, (script, *_) in summary.MEASURES.items():
+        assert f'hashes("{name}")' in (REPO / script).read_text(), script
 
 
 def test_benchmarks_import_nothing_from_tests() -> None:
-    for script in (REPO / "benchmarks").glob("*.py"):
+    for script in (REPO / "benchmarks").rglob("*.py"):
         text = script.read_text()
         assert not re.search(r"""["'/]tests["'/]|from multiprocess |import multiprocess""", text), (
             script.name
         )
+
+
+def test_benchmarks_read_no_private_state_of_torchshard_objects() -> None:
+    # Public API only: renaming a private counter inside torchshard breaks no benchmark.
+    for script in (REPO / "benchmarks").rglob("*.py"):
+        text = script.read_text()
+        assert not re.search(r"""\._mode\b|getattr\([^)]*["']_(?!_)""", text), script.name
 
 
 # -- the table's mechanics -------------------------------------------------------------------------
@@ -127,20 +140,20 @@ def test_write_without_markers_exits_2_naming_the_file(tmp_path: Path) -> None:
 
 
 def test_spread_is_p10_p90_from_ten_pairs_on_and_min_max_below() -> None:
-    few = summary.Spread.of([1.0, 3.0, 2.0])
+    few = stats.Spread.of([1.0, 3.0, 2.0])
     assert (few.median, few.lo, few.hi, few.kind) == (2.0, 1.0, 3.0, "min-max")
-    many = summary.Spread.of([float(x) for x in range(1, 22)])  # 1..21
+    many = stats.Spread.of([float(x) for x in range(1, 22)])  # 1..21
     assert (many.median, many.lo, many.hi, many.kind) == (11.0, 3.0, 19.0, "p10-p90")
-    assert summary.spread_text([1.0, 3.0, 2.0]) == "2.00x (min-max 1.00-3.00)"
+    assert stats.spread_text([1.0, 3.0, 2.0]) == "2.00x (min-max 1.00-3.00)"
 
 
 def test_a_target_is_met_only_when_the_paired_ratios_mostly_meet_it() -> None:
     ratios = [0.9] * 8 + [1.5] * 2  # median 0.9 either way
-    assert summary.verdict(ratios, 1.0) == "met (8 of 10 <= 1)"
-    assert summary.verdict([0.9] * 7 + [1.5] * 3, 1.0).startswith("unclear (7 of 10")
-    assert summary.verdict([0.9] * 2 + [1.5] * 8, 1.0).startswith("missed (2 of 10")
+    assert stats.verdict(ratios, 1.0) == "met (8 of 10 <= 1)"
+    assert stats.verdict([0.9] * 7 + [1.5] * 3, 1.0).startswith("unclear (7 of 10")
+    assert stats.verdict([0.9] * 2 + [1.5] * 8, 1.0).startswith("missed (2 of 10")
     # the audit's case: a median under the target, most pairs over it
-    assert summary.verdict([1.2, 1.25, 1.33, 1.45, 2.49], 1.3).startswith("unclear (2 of 5")
+    assert stats.verdict([1.2, 1.25, 1.33, 1.45, 2.49], 1.3).startswith("unclear (2 of 5")
 
 
 # -- the fully sharded rows, on made-up results --------------------------------------------------
@@ -154,7 +167,7 @@ def row(what: str) -> summary.Row:
 def full_results(by_world: dict[str, list[float]], memory: dict[str, list[float]]) -> dict:
     """A full.json with owner/native ratios per world size and full/replicated RSS ratios
     per allocator (every other number made up)."""
-    ranks = [{"memory_bytes": {k: 1 << 20 for k in summary.PERSISTENT}}]
+    ranks = [{"memory_bytes": {k: 1 << 20 for k in stats.PERSISTENT}}]
     launch = {k: {"ranks": ranks} for k in ("full", "replicated")}
     return {
         "full": {
@@ -223,142 +236,111 @@ def test_the_bytes_row_is_met_only_within_one_percent_of_the_analytic() -> None:
     assert summary.measured(what, {"sharded": {}}) == (summary.NOT_MEASURED, "-")  # older file
 
 
-# -- staleness, on a scratch repository ------------------------------------------------------------
-
-GIT_ENV = {
-    "GIT_AUTHOR_NAME": "t",
-    "GIT_AUTHOR_EMAIL": "t@example.com",
-    "GIT_COMMITTER_NAME": "t",
-    "GIT_COMMITTER_EMAIL": "t@example.com",
-    "GIT_CONFIG_GLOBAL": os.devnull,
-    "GIT_CONFIG_NOSYSTEM": "1",
-}
+# -- freshness by content, on a scratch tree (no git: as in a tarball) --------------------------------
 
 
-def git(repo: Path, *args: str) -> str:
-    env = {**os.environ, **GIT_ENV}
-    out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
-
-
-def commit_file(repo: Path, path: str, text: str) -> str:
-    (repo / path).parent.mkdir(parents=True, exist_ok=True)
-    (repo / path).write_text(text)
-    git(repo, "add", path)
-    git(repo, "commit", "-q", "-m", f"change {path}")
-    return git(repo, "rev-parse", "HEAD")
-
-
-def results_at(commit: str | None, dirty: list[str] | None = None) -> dict:
-    machine = {"git_commit": commit, "git_dirty": [] if dirty is None else dirty}
-    return {name: {"machine": dict(machine)} for name in (*summary.FILES, summary.RUN)}
+def write(tree: Path, path: str, text: str) -> None:
+    (tree / path).parent.mkdir(parents=True, exist_ok=True)
+    (tree / path).write_text(text)
 
 
 @pytest.fixture
-def repo(tmp_path: Path) -> Path:
-    if shutil.which("git") is None:
-        pytest.fail("git is required: the freshness check of the benchmark results uses it")
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    git(repo, "init", "-q")
-    for paths in summary.MEASURES.values():
-        for path in paths:
-            target = f"{path}/x.py" if not path.endswith(".py") else path
-            (repo / target).parent.mkdir(parents=True, exist_ok=True)
-            (repo / target).write_text("v1\n")
-    (repo / "docs").mkdir()
-    (repo / "docs/notes.md").write_text("v1\n")
-    git(repo, "add", ".")
-    git(repo, "commit", "-q", "-m", "initial")
-    return repo
+def tree(tmp_path: Path) -> Path:
+    """A file for every path of MEASURES (a directory gets x.py; a glob, what it matches)."""
+    tree = tmp_path / "tree"
+    for specs in freshness.MEASURES.values():
+        for spec in specs:
+            spec = spec.removeprefix("!")
+            path = spec.replace("*", "") + ".py" if "*" in spec else spec
+            write(tree, path if path.endswith(".py") else f"{path}/x.py", "v1\n")
+    write(tree, "docs/notes.md", "v1\n")
+    return tree
+
+
+def measured_in(tree: Path) -> dict:
+    """Results of every benchmark, measured on ``tree`` as it is now."""
+    return {name: {"measured": freshness.hashes(name, tree)} for name in summary.FILES}
 
 
 def stale_names(problems: list[str]) -> set[str]:
     return {p.split(".json:")[0] for p in problems if ".json:" in p}
 
 
-def test_fresh_results_pass(repo: Path) -> None:
-    head = git(repo, "rev-parse", "HEAD")
-    assert summary.stale(results_at(head), repo) == []
+def test_fresh_results_pass(tree: Path) -> None:
+    assert freshness.stale(measured_in(tree), tree) == []
 
 
-def test_a_commit_to_measured_code_makes_exactly_its_results_stale(repo: Path) -> None:
-    head = git(repo, "rev-parse", "HEAD")
-    commit_file(repo, "docs/notes.md", "v2\n")  # measured by nothing
-    assert summary.stale(results_at(head), repo) == []
-    commit_file(repo, "torchshard/checkpoint/x.py", "v2\n")
-    problems = summary.stale(results_at(head), repo)
+def test_a_change_to_measured_code_makes_exactly_its_results_stale(tree: Path) -> None:
+    results = measured_in(tree)
+    write(tree, "docs/notes.md", "v2\n")  # measured by nothing
+    assert freshness.stale(results, tree) == []
+    write(tree, "torchshard/checkpoint/x.py", "v2\n")
+    problems = freshness.stale(results, tree)
     assert stale_names(problems) == {"checkpoint", "scale"}, problems
-    assert all("run python benchmarks/run_all.py" in p for p in problems)
-    commit_file(repo, "benchmarks/bench_flat.py", "v2\n")  # the benchmark's own script
-    assert stale_names(summary.stale(results_at(head), repo)) == {"flat", "checkpoint", "scale"}
+    assert all("torchshard/checkpoint/x.py (changed)" in p for p in problems), problems
+    assert all(p.endswith(f"run {RUN_ALL}") for p in problems)
+    write(tree, "benchmarks/bench_flat.py", "v2\n")  # the benchmark's own script
+    assert stale_names(freshness.stale(results, tree)) == {"flat", "checkpoint", "scale"}
+    write(tree, "torchshard/checkpoint/x.py", "v1\n")  # changed back: fresh again
+    assert stale_names(freshness.stale(results, tree)) == {"flat"}
 
 
-def test_uncommitted_changes_when_measured_make_results_stale(repo: Path) -> None:
-    head = git(repo, "rev-parse", "HEAD")
-    problems = summary.stale(results_at(head, dirty=["torchshard/_parallel/x.py"]), repo)
+def test_the_fully_sharded_mode_is_measured_only_where_it_runs(tree: Path) -> None:
+    results = measured_in(tree)
+    assert "torchshard/_parallel/full.py" not in results["trainer"]["measured"]
+    write(tree, "torchshard/_parallel/full.py", "v2\n")
+    assert stale_names(freshness.stale(results, tree)) == {"sharded", "full"}
+    write(tree, "torchshard/_parallel/x.py", "v2\n")  # the trainer core: every mode
+    problems = freshness.stale(results, tree)
     assert stale_names(problems) == {"trainer", "sharded", "full", "checkpoint"}, problems
-    assert summary.stale(results_at(head, dirty=["docs/notes.md"]), repo) == []
-    unknown = results_at(head)
-    unknown["flat"]["machine"]["git_dirty"] = None
-    assert stale_names(summary.stale(unknown, repo)) == {"flat"}
 
 
-def test_results_from_several_commits_fail(repo: Path) -> None:
-    first = git(repo, "rev-parse", "HEAD")
-    second = commit_file(repo, "docs/notes.md", "v2\n")
-    results = results_at(second)
-    results["flat"]["machine"]["git_commit"] = first
-    problems = summary.stale(results, repo)
-    assert any("not one" in p for p in problems), problems
+def test_a_module_that_becomes_a_package_is_still_measured(tree: Path) -> None:
+    results = measured_in(tree)
+    (tree / "torchshard/_parallel/full.py").unlink()
+    write(tree, "torchshard/_parallel/full/__init__.py", "v1\n")
+    write(tree, "torchshard/_parallel/full/storage.py", "v1\n")
+    problems = freshness.stale(results, tree)
+    assert stale_names(problems) == {"sharded", "full"}, problems
+    sharded = next(p for p in problems if p.startswith("sharded.json"))
+    assert "torchshard/_parallel/full.py (gone)" in sharded
+    assert "torchshard/_parallel/full/storage.py (new)" in sharded
+    assert freshness.stale(measured_in(tree), tree) == []  # measured again: fresh
 
 
-def test_unknown_commit_or_none_recorded_fails(repo: Path) -> None:
-    problems = summary.stale(results_at("f" * 40), repo)
-    assert stale_names(problems) == set(summary.FILES), problems
-    assert "unknown here" in problems[0]
-    problems = summary.stale(results_at(None), repo)
-    assert stale_names(problems) == set(summary.FILES)
-    assert "records no commit" in problems[0]
+def test_only_python_files_of_a_directory_are_measured(tree: Path) -> None:
+    results = measured_in(tree)
+    write(tree, "torchshard/_flat/notes.txt", "v1\n")
+    write(tree, "torchshard/_flat/__pycache__/x.cpython-310.pyc", "bytes")
+    assert freshness.stale(results, tree) == []
 
 
-def test_a_commit_off_this_branch_fails(repo: Path) -> None:
-    base = git(repo, "rev-parse", "HEAD")
-    git(repo, "checkout", "-q", "-b", "side")
-    side = commit_file(repo, "docs/notes.md", "side\n")
-    git(repo, "checkout", "-q", "-")
-    assert git(repo, "rev-parse", "HEAD") == base
-    problems = summary.stale(results_at(side), repo)
-    assert "not an ancestor of HEAD" in problems[0], problems
+def test_results_without_hashes_or_missing_are_stale(tree: Path) -> None:
+    results = measured_in(tree)
+    del results["flat"]
+    results["scale"] = {"machine": {"git_commit": "a" * 40}}  # written before the hashes
+    problems = freshness.stale(results, tree)
+    assert stale_names(problems) == {"flat", "scale"}, problems
+    assert f"flat.json: missing; run {RUN_ALL}" in problems
+    assert any("scale.json: records no hashes" in p for p in problems)
 
 
-def test_a_shallow_clone_without_the_commit_fails_and_says_so(repo: Path, tmp_path: Path) -> None:
-    old = git(repo, "rev-parse", "HEAD")
-    commit_file(repo, "docs/notes.md", "v2\n")
-    shallow = tmp_path / "shallow"
-    git(tmp_path, "clone", "-q", "--depth", "1", f"file://{repo}", str(shallow))
-    problems = summary.stale(results_at(old), shallow)
-    assert stale_names(problems) == set(summary.FILES), problems
-    assert "shallow clone" in problems[0] and "git fetch --unshallow" in problems[0]
+def test_no_git_is_needed(tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    results = measured_in(tree)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git on PATH; the tree is no repository
+    assert freshness.stale(results, tree) == []
+    write(tree, "examples/gpt.py", "v2\n")
+    assert stale_names(freshness.stale(results, tree)) == set(summary.FILES) - {"scale"}
 
 
-def test_no_repository_or_no_git_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    problems = summary.stale(results_at("a" * 40), tmp_path)  # not a git work tree
-    assert len(problems) == 1 and "not a git work tree" in problems[0]
-    monkeypatch.setenv("PATH", str(tmp_path))  # no git on PATH
-    problems = summary.stale(results_at("a" * 40), REPO)
-    assert len(problems) == 1 and "git failed to run" in problems[0]
-
-
-def test_stale_cli_exits_1_with_the_reasons(tmp_path: Path) -> None:
+def test_stale_cli_exits_1_naming_each_result_and_0_when_fresh(tmp_path: Path) -> None:
     for name in (*summary.FILES, summary.RUN):
         (tmp_path / f"{name}.json").write_text(json.dumps({"machine": {"git_commit": None}}))
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--stale", "--results", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    cmd = [sys.executable, str(SCRIPT), "--stale", "--results", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert proc.returncode == 1
-    assert "records no commit" in proc.stderr
+    assert all(f"{name}.json: records no hashes" in proc.stderr for name in summary.FILES)
+    for name, data in measured_in(REPO).items():  # measured on this very tree
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert (proc.returncode, proc.stderr) == (0, "")

@@ -23,7 +23,24 @@ FLAT = {  # the buffer: imports nothing from parallelism or checkpointing
 }
 PARALLEL = {  # data parallelism: the trainer core, one file per mode, the protocol
     "_parallel.buckets": {"_flat.layout"},
-    "_parallel.memory": {"_errors", "_flat.geometry", "_flat.layout", "_parallel.units"},
+    "_parallel.footprint": {"_errors", "_flat.geometry", "_flat.layout", "_parallel.units"},
+    "_parallel.memory": {
+        "_flat.geometry",
+        "_flat.layout",
+        "_parallel.footprint",
+        "_parallel.modes",
+        "_parallel.units",
+    },
+    # the registry: the one module that names the modes
+    "_parallel.modes": {
+        "_errors",
+        "_parallel.footprint",
+        "_parallel.full",
+        "_parallel.mode",
+        "_parallel.replicated",
+        "_parallel.sharded",
+        "_parallel.units",
+    },
     "_parallel.mode": {
         "_flat.geometry",
         "_flat.module",
@@ -79,12 +96,10 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_flat.module",
         "_log",
         "_parallel.buckets",
-        "_parallel.full",
         "_parallel.mode",
+        "_parallel.modes",
         "_parallel.reducer",
-        "_parallel.replicated",
         "_parallel.setup",
-        "_parallel.sharded",
         "_parallel.shards",
         "_parallel.units",
         "_stepped",
@@ -172,20 +187,29 @@ ROOT = {  # shared ground floor, and the tools above the wings
     "_exit": {"_log"},  # a clean exit: close every trainer, then the default group
     "_dist": {"_errors", "_exit", "_log"},
     "data": {"_errors"},
-    "_estimate": {
-        "_errors",
+    # torchshard estimate: a model on meta -> its estimate -> the table -> its command line
+    "_estimate.model": {"_errors", "_flat.layout", "_flat.module", "_log"},
+    "_estimate.estimate": {
+        "_estimate.model",
         "_flat.layout",
-        "_flat.module",
-        "_log",
         "_parallel.memory",
+        "_parallel.modes",
+        "_parallel.units",
+    },
+    "_estimate.table": {"_estimate.estimate", "_flat.layout", "_parallel.memory"},
+    "_estimate.command": {
+        "_estimate.estimate",
+        "_estimate.model",
+        "_estimate.table",
+        "_parallel.modes",
         "_parallel.units",
     },
     "_cli": {
         "__init__",
         "_errors",
         "_estimate",
+        "_estimate.model",
         "_flat.layout",
-        "_parallel.units",
         "checkpoint._inspect",
         "checkpoint._tools",
     },

@@ -13,6 +13,7 @@ from ._flat.layout import FlatLayout, ParamSlot
 from ._flat.module import FlatParamModule
 from ._log import set_log_ranks
 from ._parallel.memory import RankMemory, plan_memory
+from ._parallel.modes import FullShard, Replicate, ShardOptimizer
 from ._parallel.shards import LocalShards, MemoryStats
 from ._parallel.trainer import CommStats, DistributedTrainer
 from .data import GlobalBatchSampler
@@ -28,6 +29,7 @@ __all__ = [
     "DistributedTrainer",
     "FlatLayout",
     "FlatParamModule",
+    "FullShard",
     "GlobalBatchSampler",
     "LayoutError",
     "LocalShards",
@@ -35,6 +37,8 @@ __all__ = [
     "ParamSlot",
     "RankMemory",
     "RankMismatchError",
+    "Replicate",
+    "ShardOptimizer",
     "TorchShardError",
     "__version__",
     "init_distributed",

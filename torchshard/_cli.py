@@ -4,7 +4,6 @@ consolidate and reshard checkpoints."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -15,54 +14,15 @@ import torch
 
 from . import __version__
 from ._errors import ArgumentError, CheckpointError, TorchShardError
-from ._estimate import (
-    DTYPES,
-    OPTIMIZERS,
-    EstimateError,
-    build_hf_model,
-    estimate_memory,
-    format_estimate,
-    is_factory,
-    layout_of,
-    parse_bytes,
-    parse_override,
-)
+from ._estimate import command as estimate
+from ._estimate.model import build_factory
 from ._flat.layout import FlatLayout
-from ._parallel.units import resolve_units
 from .checkpoint._inspect import inspect_checkpoint, latest_under, newest_verified
 from .checkpoint._tools import Progress, consolidate, reshard
 
 
-def _load_factory(spec: str) -> torch.nn.Module:
-    """Build ``module:callable`` on the meta device (no weights are allocated)."""
-    mod_name, _, attr = spec.partition(":")
-    if not mod_name or not attr:
-        raise TorchShardError(f"factory: expected 'module:callable', got {spec!r}")
-    if "" not in sys.path:  # like `python -m`: modules in the working directory import
-        sys.path.insert(0, "")
-    try:
-        factory = getattr(importlib.import_module(mod_name), attr)
-    except ImportError as e:
-        raise TorchShardError(
-            f"factory {spec!r}: {e}; run from the directory that holds {mod_name!r}, "
-            "or put that directory on PYTHONPATH"
-        ) from e
-    except AttributeError as e:
-        raise TorchShardError(f"factory {spec!r}: {e}") from e
-    try:
-        with torch.device("meta"):
-            model = factory()
-    except Exception as e:
-        raise TorchShardError(f"factory {spec!r} failed: {type(e).__name__}: {e}") from e
-    if not isinstance(model, torch.nn.Module):
-        raise TorchShardError(
-            f"factory {spec!r}: expected an nn.Module, got {type(model).__name__}"
-        )
-    return model
-
-
 def _cmd_layout(args: argparse.Namespace) -> int:
-    layout = FlatLayout.from_module(_load_factory(args.factory), align_bytes=args.align_bytes)
+    layout = FlatLayout.from_module(build_factory(args.factory), align_bytes=args.align_bytes)
     if args.json:
         print(layout.to_json())
         return 0
@@ -79,82 +39,8 @@ def _cmd_layout(args: argparse.Namespace) -> int:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    overrides = dict(args.overrides)
-    if is_factory(args.model):
-        if overrides:
-            raise EstimateError(
-                f"--set: expected a transformers config or model_type to change, got the "
-                f"factory {args.model!r}; change the factory instead"
-            )
-        model = _load_factory(args.model)
-    else:
-        model = build_hf_model(args.model, overrides)
-    chosen = ((False, args.replicated), (True, args.shard), ("full", args.full))
-    modes = tuple(s for s, on in chosen if on) or tuple(s for s, _ in chosen)
-    layout = layout_of(model, DTYPES[args.dtype])
-    report = estimate_memory(
-        layout,
-        world_size=args.world_size,
-        modes=modes,
-        # the units DistributedTrainer(shard="full", units="auto") would choose for this model
-        units=resolve_units(model, layout) if "full" in modes else None,
-        prefetch=args.prefetch,
-        reshard_after_forward=args.reshard_after_forward,
-        optimizer=args.optimizer,
-        device_memory=args.device_memory,
-        reserve=args.reserve,
-        model=args.model,
-        model_class=type(model).__name__,
-    )
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=1))
-    else:
-        print(format_estimate(report))
+    print(estimate.run(args))
     return 0
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
-    return value
-
-
-def _device_memory(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except EstimateError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("device memory: ")) from e
-
-
-def _override(text: str) -> tuple[str, Any]:
-    try:
-        return parse_override(text)
-    except EstimateError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--set: ")) from e
 
 
 class _StderrProgress(Progress):
@@ -366,64 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--align-bytes", type=int, default=16)
     p.add_argument("--json", action="store_true", help="print the layout JSON")
     p.set_defaults(run=_cmd_layout, error_status=2)
-    p = sub.add_parser(
-        "estimate",
-        help="per-rank memory to train a model (built on meta: no weights, no GPU)",
-        description="Print the bytes each rank holds to train MODEL with torchshard's trainer "
-        "(parameters, gradients, optimizer state, fp32 master weights and their gradient; "
-        "fully sharded, also the unit buffers gathered during a step), replicated, sharded "
-        "and fully sharded, "
-        "and with --device-memory the smallest world size that fits. Activations, temporary "
-        "buffers, the CUDA context and allocator fragmentation are not counted.",
-    )
-    p.add_argument(
-        "model",
-        metavar="MODEL",
-        help="a transformers config JSON file, a transformers model_type (llama, gpt2, ...) "
-        "with its defaults, or 'module:callable' returning an nn.Module",
-    )
-    p.add_argument("--world-size", type=_positive_int, required=True, metavar="N")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="default: bf16")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default: adamw")
-    p.add_argument(
-        "--device-memory",
-        type=_device_memory,
-        metavar="SIZE",
-        help="memory per device: 80GiB, 24G (binary), 80GB (decimal) or bytes",
-    )
-    p.add_argument(
-        "--reserve",
-        type=_fraction,
-        default=0.0,
-        metavar="FRACTION",
-        help="part of --device-memory kept for what is not counted (default: 0)",
-    )
-    p.add_argument("--replicated", action="store_true", help="the replicated mode")
-    p.add_argument("--shard", action="store_true", help="the sharded mode (shard=True)")
-    p.add_argument("--full", action="store_true", help="the fully sharded mode (shard='full')")
-    p.add_argument(
-        "--prefetch",
-        type=_count,
-        default=1,
-        metavar="K",
-        help="fully sharded: units gathered ahead (default: 1)",
-    )
-    p.add_argument(
-        "--reshard-after-forward",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="fully sharded: free each unit after its forward (default: yes)",
-    )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        type=_override,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value (JSON values), e.g. --set num_hidden_layers=80",
-    )
-    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p = estimate.add_parser(sub)
     p.set_defaults(run=_cmd_estimate, error_status=2)
     ckpt_help = "a checkpoint directory, or a root (then its latest complete checkpoint)"
     p = sub.add_parser(

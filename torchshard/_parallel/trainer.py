@@ -17,12 +17,10 @@ from .._flat.module import FlatParamModule
 from .._log import get_logger
 from .._stepped import allow, forbid, held_state_bytes
 from .buckets import Bucket, plan_buckets
-from .full import FullyShard
 from .mode import Context, Mode, Segment
+from .modes import Choice, choose, entry_for
 from .reducer import CommStats, Reducer
-from .replicated import Replicated
 from .setup import assert_in_sync, bind_buffers, check_same_model, native_mean, pick_device
-from .sharded import ShardedOptimizer
 from .shards import LocalShards, MemoryStats
 from .units import Unit, UnitSpec
 
@@ -59,7 +57,10 @@ class DistributedTrainer:
         src: the rank whose weights everyone starts from.
         init_fn: how to initialize a meta-built model, as in
             :meth:`FlatParamModule.init_weights` (default: ``reset_parameters()``).
-        shard: FSDP-lite: each rank owns one contiguous, equal slice of the
+        shard: the parallel mode: :class:`Replicate` (``False``, the default),
+            :class:`ShardOptimizer` (``True``) or :class:`FullShard`, whose fields hold
+            its settings; the aliases take the loose keywords below. ``True``:
+            FSDP-lite: each rank owns one contiguous, equal slice of the
             (padded) flat buffer; gradients are reduced to the slice's owner
             bucket by bucket during backward, the optimizer built by
             :meth:`make_optimizer` keeps state for the rank's slice only, and
@@ -102,7 +103,7 @@ class DistributedTrainer:
         bucket_mb: float = 25,
         src: int = 0,
         init_fn: Callable[[torch.nn.Module], None] | None = None,
-        shard: bool | str = False,
+        shard: bool | str | Choice = False,
         master_dtype: torch.dtype = torch.float32,
         units: UnitSpec = "auto",
         prefetch: int = 1,
@@ -125,8 +126,8 @@ class DistributedTrainer:
         self.module = fm
         self.device = pick_device(fm, device, self._group)
         # the one place modes are chosen
-        self._mode = _pick_mode(shard, master_dtype, units, prefetch, reshard_after_forward)
-        self.shard: bool | str = self._mode.label or self._mode.sharded
+        loose = (master_dtype, units, prefetch, reshard_after_forward)
+        self._mode, self.shard = _pick_mode(shard, *loose)
         layout = fm.layout
         self._geometry = Geometry.of(layout, self.world_size, pad=self._mode.pads)
         self.padded_numel = self._geometry.total
@@ -648,25 +649,15 @@ class DistributedTrainer:
 
 
 def _pick_mode(
-    shard: bool | str,
+    shard: object,
     master_dtype: torch.dtype,
     units: UnitSpec,
     prefetch: int,
     reshard_after_forward: bool,
-) -> Mode:
-    """The parallel mode for ``shard=``: read once, here (a new mode is a file and a line)."""
-    if isinstance(shard, str) and shard == "full":
-        return FullyShard(master_dtype, units, prefetch, reshard_after_forward)
-    if shard is not True and shard is not False:
-        raise TorchShardError(f"shard: expected True, False or 'full', got {shard!r}")
-    defaults = {"units": "auto", "prefetch": 1, "reshard_after_forward": True}
-    given = {"units": units, "prefetch": prefetch, "reshard_after_forward": reshard_after_forward}
-    for name, value in given.items():
-        if not (
-            value is defaults[name]
-            or (type(value) is type(defaults[name]) and value == defaults[name])
-        ):
-            raise TorchShardError(
-                f"{name}: only with shard='full', got {value!r} with shard={shard!r}"
-            )
-    return ShardedOptimizer(master_dtype) if shard else Replicated()
+) -> tuple[Mode, bool | str]:
+    """The parallel mode for ``shard=`` (a choice, or its alias with the loose keywords) and
+    what ``trainer.shard`` reports: read once, here, from the registry (``modes.py``)."""
+    loose = {"units": units, "prefetch": prefetch, "reshard_after_forward": reshard_after_forward}
+    choice = choose(shard, strict=True, master_dtype=master_dtype, **loose)
+    entry = entry_for(choice)
+    return entry.build(choice), entry.alias

@@ -1,0 +1,146 @@
+"""Is each benchmark result as new as the code it measured? By content, not by history.
+
+Each results file records ``measured: {path: sha256}``: the files its benchmark depends on
+(:data:`MEASURES`), hashed when it started. :func:`stale` hashes the same paths in the
+working tree and names every result where one changed, appeared or disappeared. Like DVC's
+``dvc.lock`` or Bazel's action keys: no git needed, so it works in a tarball and in a
+shallow clone, and a result measured with uncommitted changes is stale unless exactly those
+changes were committed. Stdlib only.
+
+A path of :data:`MEASURES` is a file, a directory (its ``*.py`` files, at any depth) or a
+glob; one that starts with ``!`` removes what it matches. Directories and globs survive a
+module becoming a package (``torchshard/_parallel/full.py`` -> ``full/``).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from .results import COMMAND, FILES, REPO, Results
+
+_COMMON = ("benchmarks/_common.py", "examples/gpt.py")
+# What a trainer runs outside the parallel wing: the flat module, process group, exit, guards.
+_TRAINER = (
+    "torchshard/_flat",
+    "torchshard/_dist.py",
+    "torchshard/_exit.py",
+    "torchshard/_stepped.py",
+)
+# The modes that keep whole buckets (replicated, shard=True) run every file of the parallel
+# wing but the fully sharded mode's.
+_BUCKET_MODES = (*_TRAINER, "torchshard/_parallel", "!torchshard/_parallel/full*")
+_ALL_MODES = (*_TRAINER, "torchshard/_parallel")
+
+# What each result measured: its own script, the library code it runs, the example model
+# and data it trains.
+MEASURES: dict[str, tuple[str, ...]] = {
+    "flat": ("benchmarks/bench_flat.py", "torchshard/_flat", *_COMMON),
+    "trainer": ("benchmarks/bench_trainer.py", *_BUCKET_MODES, "examples/train_gpt.py", *_COMMON),
+    "sharded": ("benchmarks/bench_sharded.py", *_ALL_MODES, "examples/train_gpt.py", *_COMMON),
+    "full": ("benchmarks/bench_full.py", *_ALL_MODES, *_COMMON),
+    "checkpoint": (
+        "benchmarks/bench_checkpoint.py",
+        "torchshard/checkpoint",
+        *_BUCKET_MODES,
+        *_COMMON,
+    ),
+    "scale": (
+        "benchmarks/scale.py",
+        "torchshard/_flat",
+        "torchshard/_parallel/memory.py",
+        "torchshard/_parallel/units.py",
+        "torchshard/checkpoint",
+    ),
+}
+
+
+def expand(spec: str, repo: Path = REPO) -> list[str]:
+    """The files one path of :data:`MEASURES` stands for, relative to ``repo``, sorted.
+
+    >>> "torchshard/_flat/layout.py" in expand("torchshard/_flat")
+    True
+    """
+    hits = glob.glob(spec, root_dir=repo) if any(c in spec for c in "*?[") else [spec]
+    out: set[str] = set()
+    for hit in hits:
+        path = repo / hit
+        if path.is_file():
+            out.add(Path(hit).as_posix())
+        elif path.is_dir():
+            out.update(p.relative_to(repo).as_posix() for p in path.rglob("*.py") if p.is_file())
+    return sorted(out)
+
+
+def files(specs: Iterable[str], repo: Path = REPO) -> list[str]:
+    """Every file ``specs`` name (``!spec`` removes), relative to ``repo``, sorted.
+
+    >>> "torchshard/_parallel/full.py" in files(MEASURES["trainer"])
+    False
+    """
+    specs = list(specs)
+    keep = {f for s in specs if not s.startswith("!") for f in expand(s, repo)}
+    drop = {f for s in specs if s.startswith("!") for f in expand(s[1:], repo)}
+    return sorted(keep - drop)
+
+
+def sha256(path: Path) -> str:
+    """The hex SHA-256 of a file's bytes.
+
+    >>> len(sha256(Path(__file__)))
+    64
+    """
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def hashes(name: str, repo: Path = REPO) -> dict[str, str]:
+    """``{path: sha256}`` of what the benchmark ``name`` measures: its results' ``measured``.
+
+    >>> sorted(hashes("flat"))[0]
+    'benchmarks/_common.py'
+    """
+    return {f: sha256(repo / f) for f in files(MEASURES[name], repo)}
+
+
+def changes(recorded: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
+    """``path (changed)``, ``path (new)``, ``path (gone)``: how ``now`` differs, sorted.
+
+    >>> changes({"a.py": "1", "b.py": "2"}, {"a.py": "1", "b.py": "3", "c.py": "4"})
+    ['b.py (changed)', 'c.py (new)']
+    """
+    out = [f"{p} (changed)" for p in recorded if p in now and now[p] != recorded[p]]
+    out += [f"{p} (new)" for p in now if p not in recorded]
+    out += [f"{p} (gone)" for p in recorded if p not in now]
+    return sorted(out)
+
+
+def stale(results: Results, repo: Path = REPO) -> list[str]:
+    """Why results are not known to be current, one line each (empty: every one is).
+
+    A result is current when its ``measured`` hashes equal those of the same paths in
+    ``repo`` now. A missing file, or one that records no hashes, is stale too.
+
+    >>> stale({"flat": {"measured": hashes("flat")}})[0]  # doctest: +ELLIPSIS
+    'trainer.json: missing; run python benchmarks/run_all.py'
+    """
+    problems: list[str] = []
+    for name in FILES:
+        if name not in results:
+            problems.append(f"{name}.json: missing; run {COMMAND}")
+            continue
+        recorded = results[name].get("measured")
+        if not isinstance(recorded, dict) or not recorded:
+            problems.append(
+                f"{name}.json: records no hashes of the code it measured (`measured`); "
+                f"run {COMMAND}"
+            )
+            continue
+        changed = changes(recorded, hashes(name, repo))
+        if changed:
+            problems.append(
+                f"{name}.json: the code it measures changed since: {', '.join(changed)}; "
+                f"run {COMMAND}"
+            )
+    return problems

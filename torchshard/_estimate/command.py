@@ -1,0 +1,221 @@
+"""``torchshard estimate``'s command line: its arguments, parsed, and the text it prints.
+
+The modes it offers (``--replicated``, ``--shard``, ...) are the registry's
+(``_parallel/modes.py``); sizes and ``--set`` overrides are parsed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from typing import Any
+
+from .._parallel.modes import MODES
+from .._parallel.units import resolve_units
+from .estimate import DTYPES, OPTIMIZERS, estimate_memory
+from .model import EstimateError, build_factory, build_hf_model, is_factory, layout_of
+from .table import format_estimate
+
+__all__ = ["add_parser", "parse_bytes", "parse_override", "run"]
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}  # bare letters: binary
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"`` / ``"24G"`` (binary), ``"80GB"`` (decimal), ``"1e9"`` / ``"1000"`` (bytes).
+
+    Example::
+
+        parse_bytes("80GiB") == 80 * 2**30
+    """
+    m = _SIZE.fullmatch(text)
+    if m is None:
+        try:
+            value = float(text)  # 1e9
+        except ValueError:
+            value = -1.0
+        if not (value > 0 and math.isfinite(value)):
+            raise EstimateError(
+                f"device memory: expected a size such as 80GiB, 80GB, 24G or a number of "
+                f"bytes, got {text!r}"
+            ) from None
+        return int(value)
+    number, prefix, binary, b = m.groups()
+    prefix = prefix.lower()
+    if binary and not prefix:
+        raise EstimateError(f"device memory: expected a unit such as GiB, got {text!r}")
+    unit = _UNITS[prefix] if binary or not b else 1000 ** "_kmgt".index(prefix)
+    value = int(float(number) * unit)
+    if value <= 0:
+        raise EstimateError(f"device memory: expected a positive size, got {text!r}")
+    return value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"num_hidden_layers=80"`` -> ``("num_hidden_layers", 80)``: JSON values, else strings.
+
+    Example::
+
+        parse_override("tie_word_embeddings=false") == ("tie_word_embeddings", False)
+    """
+    key, eq, raw = item.partition("=")
+    key = key.strip()
+    if not eq or not key.isidentifier():
+        raise EstimateError(f"--set: expected key=value (e.g. num_hidden_layers=80), got {item!r}")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return value
+
+
+def _device_memory(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except EstimateError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("device memory: ")) from e
+
+
+def _override(text: str) -> tuple[str, Any]:
+    try:
+        return parse_override(text)
+    except EstimateError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--set: ")) from e
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``estimate`` subcommand to ``sub`` (``parser.add_subparsers()``); returns it.
+
+    Example::
+
+        p = add_parser(parser.add_subparsers(dest="command"))
+        p.set_defaults(run=lambda args: print(run(args)))
+    """
+    p = sub.add_parser(
+        "estimate",
+        help="per-rank memory to train a model (built on meta: no weights, no GPU)",
+        description="Print the bytes each rank holds to train MODEL with torchshard's trainer "
+        "(parameters, gradients, optimizer state, fp32 master weights and their gradient; "
+        "fully sharded, also the unit buffers gathered during a step), replicated, sharded "
+        "and fully sharded, "
+        "and with --device-memory the smallest world size that fits. Activations, temporary "
+        "buffers, the CUDA context and allocator fragmentation are not counted.",
+    )
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a transformers config JSON file, a transformers model_type (llama, gpt2, ...) "
+        "with its defaults, or 'module:callable' returning an nn.Module",
+    )
+    p.add_argument("--world-size", type=_positive_int, required=True, metavar="N")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="default: bf16")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default: adamw")
+    p.add_argument(
+        "--device-memory",
+        type=_device_memory,
+        metavar="SIZE",
+        help="memory per device: 80GiB, 24G (binary), 80GB (decimal) or bytes",
+    )
+    p.add_argument(
+        "--reserve",
+        type=_fraction,
+        default=0.0,
+        metavar="FRACTION",
+        help="part of --device-memory kept for what is not counted (default: 0)",
+    )
+    for e in MODES:
+        p.add_argument(e.flag, dest=f"mode_{e.name}", action="store_true", help=e.help)
+    p.add_argument(
+        "--prefetch",
+        type=_count,
+        default=1,
+        metavar="K",
+        help="fully sharded: units gathered ahead (default: 1)",
+    )
+    p.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fully sharded: free each unit after its forward (default: yes)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        type=_override,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value (JSON values), e.g. --set num_hidden_layers=80",
+    )
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    return p
+
+
+def run(args: argparse.Namespace) -> str:
+    """What ``torchshard estimate`` prints for the parsed ``args``: a table, or JSON.
+
+    Example::
+
+        print(run(parser.parse_args(["estimate", "gpt2", "--world-size", "8"])))
+    """
+    overrides = dict(args.overrides)
+    if is_factory(args.model):
+        if overrides:
+            raise EstimateError(
+                f"--set: expected a transformers config or model_type to change, got the "
+                f"factory {args.model!r}; change the factory instead"
+            )
+        model = build_factory(args.model)
+    else:
+        model = build_hf_model(args.model, overrides)
+    chosen = [e for e in MODES if getattr(args, f"mode_{e.name}")] or list(MODES)
+    layout = layout_of(model, DTYPES[args.dtype])
+    report = estimate_memory(
+        layout,
+        world_size=args.world_size,
+        modes=tuple(e.alias for e in chosen),
+        # the units DistributedTrainer(shard=FullShard(units="auto")) would choose for this model
+        units=resolve_units(model, layout) if any(e.gathers for e in chosen) else None,
+        prefetch=args.prefetch,
+        reshard_after_forward=args.reshard_after_forward,
+        optimizer=args.optimizer,
+        device_memory=args.device_memory,
+        reserve=args.reserve,
+        model=args.model,
+        model_class=type(model).__name__,
+    )
+    if args.json:
+        return json.dumps(report.to_dict(), indent=1)
+    return format_estimate(report)

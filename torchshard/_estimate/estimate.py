@@ -1,0 +1,256 @@
+"""Per-rank training memory of a model, before any GPU is involved (``torchshard estimate``).
+
+The model's flat layout goes through :func:`plan_memory`, the rules the trainer allocates
+by, in each mode of the registry (``_parallel/modes.py``); the fully sharded mode's unit
+buffers are counted at their peak as ``transient``. With a device's memory, the smallest
+world size that fits comes from :func:`bounds` and exact plans, the same memory model.
+Activations, temporary buffers, the CUDA context and allocator fragmentation are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._flat.layout import FlatLayout, dtype_name
+from .._parallel.memory import OPTIMIZER_STATES, RankMemory, bounds, floor, plan_memory
+from .._parallel.modes import ALIASES, ModeEntry, entry_for, is_alias, listing
+from .._parallel.units import Unit, layout_units
+from .model import EstimateError
+
+__all__ = [
+    "DTYPES",
+    "MAX_WORLD_SIZE",
+    "NOT_COUNTED",
+    "OPTIMIZERS",
+    "MemoryEstimate",
+    "ModeEstimate",
+    "estimate_memory",
+]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MAX_WORLD_SIZE = 65536
+OPTIMIZERS = tuple(OPTIMIZER_STATES)
+NOT_COUNTED = (
+    "activations",
+    "temporary buffers",
+    "the CUDA context",
+    "allocator fragmentation",
+)
+MASTER_DTYPE = torch.float32  # the trainer's default master_dtype
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModeEstimate:
+    """One mode at the requested world size.
+
+    Example::
+
+        m = estimate_memory(layout, world_size=8).modes[0]
+        m.name, m.worst.total, m.spread, m.min_world_size
+    """
+
+    shard: bool | str  # the trainer's shard= alias of the mode (what trainer.shard reports)
+    worst: RankMemory  # the rank that holds the most (ranks differ only slightly)
+    spread: int  # bytes between the worst and the best rank's totals
+    min_world_size: int | None  # smallest world size that fits the budget; None: none does
+    floor: int = 0  # below the worst rank's total at every world size
+
+    @property
+    def entry(self) -> ModeEntry:
+        """The mode's line in the registry."""
+        return entry_for(self.shard)
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.worst.rank,
+            **self.worst.as_dict(),
+            "total": self.worst.total,
+            "spread": self.spread,
+            "min_world_size": self.min_world_size,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Per-rank training memory of one model at one world size, in each requested mode.
+
+    Example::
+
+        est = estimate_memory(layout, world_size=8, device_memory=80 * 2**30)
+        json.dumps(est.to_dict())
+    """
+
+    model: str  # what the user named
+    model_class: str
+    tensors: int  # unique parameters
+    parameters: int  # their elements
+    numel: int  # the flat buffer (with alignment padding)
+    dtype: torch.dtype
+    optimizer: str
+    world_size: int
+    modes: tuple[ModeEstimate, ...]
+    device_memory: int | None
+    reserve: float  # fraction of device_memory kept for what is not counted
+    units: tuple[Unit, ...] = ()  # the units of the mode that gathers them (empty without)
+    prefetch: int = 1
+    reshard_after_forward: bool = True
+
+    @property
+    def budget(self) -> int | None:
+        """Bytes per device for what is counted: ``device_memory * (1 - reserve)``."""
+        if self.device_memory is None:
+            return None
+        return int(self.device_memory * (1.0 - self.reserve))
+
+    def to_dict(self) -> dict[str, Any]:
+        modes = {m.name: m.to_dict() for m in self.modes}
+        for m in self.modes:
+            if m.entry.gathers:
+                gathered = [u.numel for u in self.units if not u.kept]
+                modes[m.name].update(
+                    units=len(self.units),
+                    kept_units=len(self.units) - len(gathered),
+                    largest_unit=max(gathered, default=0),
+                    prefetch=self.prefetch,
+                    reshard_after_forward=self.reshard_after_forward,
+                )
+        return {
+            "model": self.model,
+            "model_class": self.model_class,
+            "tensors": self.tensors,
+            "parameters": self.parameters,
+            "numel": self.numel,
+            "dtype": dtype_name(self.dtype),
+            "master_dtype": dtype_name(MASTER_DTYPE),
+            "optimizer": self.optimizer,
+            "world_size": self.world_size,
+            "device_memory": self.device_memory,
+            "reserve": self.reserve,
+            "budget": self.budget,
+            **modes,
+            "not_counted": list(NOT_COUNTED),
+        }
+
+
+def _worst(plan: list[RankMemory]) -> RankMemory:
+    return max(plan, key=lambda r: r.total)
+
+
+def _min_world_size(
+    layout: FlatLayout, lowest: int, budget: int, max_world_size: int, how: dict[str, Any]
+) -> int | None:
+    """The smallest world size in [1, max_world_size] whose worst rank fits ``budget``.
+
+    Not a binary search: the padding (of the full buffers every rank holds when sharded,
+    of each unit when fully sharded) grows with the world size, so the total is not
+    monotone. Each world size is first bracketed by :func:`bounds` in O(units); only
+    ambiguous ones are planned exactly. ``lowest`` is below every world size's total.
+    """
+    if lowest > budget:
+        return None
+    for n in range(1, max_world_size + 1):
+        low, high = bounds(layout, n, **how)
+        if low > budget:
+            continue
+        if high <= budget or _worst(plan_memory(layout, n, **how)).total <= budget:
+            return n
+    return None
+
+
+def estimate_memory(
+    layout: FlatLayout,
+    *,
+    world_size: int,
+    modes: tuple[bool | str, ...] = ALIASES,
+    optimizer: str = "adamw",
+    device_memory: int | None = None,
+    reserve: float = 0.0,
+    model: str = "",
+    model_class: str = "",
+    max_world_size: int = MAX_WORLD_SIZE,
+    units: Sequence[Unit] | None = None,
+    prefetch: int = 1,
+    reshard_after_forward: bool = True,
+) -> MemoryEstimate:
+    """Per-rank bytes for training ``layout`` at ``world_size`` in each of ``modes`` (the
+    trainer's ``shard`` aliases, by default every mode of the registry), with fp32 master
+    weights when sharded in a lower precision; with ``device_memory``, the smallest world
+    size at which each mode fits.
+
+    ``units``, ``prefetch`` and ``reshard_after_forward`` are the fully sharded trainer's
+    (``units=None``: those of ``units="auto"``, found from the slot names).
+
+    Example::
+
+        with torch.device("meta"):
+            model = make_model()
+        est = estimate_memory(layout_of(model, torch.bfloat16), world_size=8,
+                              device_memory=80 * 2**30)
+        full = est.modes[2]  # replicated, sharded, full
+        full.worst.total, full.worst.transient, full.min_world_size
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise EstimateError(f"world size: expected a positive integer, got {world_size!r}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise EstimateError(
+            f"optimizer: expected one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}"
+        )
+    if not modes or not all(map(is_alias, modes)):
+        raise EstimateError(
+            f"modes: expected shard values among {listing(ALIASES, 'and')}, got {modes!r}"
+        )
+    if not 0.0 <= reserve < 1.0:
+        raise EstimateError(f"reserve: expected a fraction in [0, 1), got {reserve!r}")
+    if device_memory is not None and device_memory <= 0:
+        raise EstimateError(f"device memory: expected a positive size, got {device_memory!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise EstimateError(f"prefetch: expected an integer >= 0, got {prefetch!r}")
+    if reshard_after_forward not in (True, False):
+        raise EstimateError(
+            f"reshard_after_forward: expected True or False, got {reshard_after_forward!r}"
+        )
+    gathers = any(entry_for(m).gathers for m in modes)
+    chosen = tuple(layout_units(layout) if units is None else units) if gathers else ()
+    budget = None if device_memory is None else int(device_memory * (1.0 - reserve))
+    out = []
+    for shard in dict.fromkeys(modes):
+        how = {
+            "shard": shard,
+            "optimizer": optimizer,
+            "master_dtype": MASTER_DTYPE,
+            "units": chosen,
+            "prefetch": prefetch,
+            "reshard_after_forward": reshard_after_forward,
+        }
+        plan = plan_memory(layout, world_size, **how)
+        worst, least = _worst(plan), min(r.total for r in plan)
+        low = floor(layout, **how)
+        fit = None if budget is None else _min_world_size(layout, low, budget, max_world_size, how)
+        spread = worst.total - least
+        out.append(
+            ModeEstimate(shard=shard, worst=worst, spread=spread, min_world_size=fit, floor=low)
+        )
+    return MemoryEstimate(
+        model=model,
+        model_class=model_class,
+        tensors=len(layout),
+        parameters=layout.param_numel,
+        numel=layout.numel,
+        dtype=layout.torch_dtype,
+        optimizer=optimizer,
+        world_size=world_size,
+        modes=tuple(out),
+        device_memory=device_memory,
+        reserve=reserve,
+        units=chosen,
+        prefetch=prefetch,
+        reshard_after_forward=reshard_after_forward,
+    )

@@ -1,0 +1,128 @@
+"""The table ``torchshard estimate`` prints: per-rank bytes by mode, and what fits."""
+
+from __future__ import annotations
+
+import torch
+
+from .._flat.layout import dtype_name
+from .._parallel.memory import OPTIMIZER_STATES
+from .estimate import DTYPES, MAX_WORLD_SIZE, NOT_COUNTED, MemoryEstimate, ModeEstimate
+
+__all__ = ["format_estimate"]
+
+_OPTIMIZER_NAMES = {
+    "adamw": "AdamW",
+    "adam": "Adam",
+    "sgd": "SGD with momentum",
+    "sgd-nomomentum": "SGD without momentum",
+}
+
+
+def _precision(r: MemoryEstimate, short: str) -> str:
+    """Where each mode keeps what the optimizer updates, when the model is not fp32."""
+    if r.dtype == torch.float32:
+        return ""
+    state = OPTIMIZER_STATES[r.optimizer][0] > 0
+    own = [m.name for m in r.modes if not m.entry.master]
+    parts = [f"{' and '.join(own)}: state in {short}"] if state and own else []
+    master = [m.name for m in r.modes if m.entry.master]
+    if master:
+        parts.append(f"{' and '.join(master)}: fp32 master{' and state' if state else ''}")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _unit_lines(r: MemoryEstimate, short: str, name: str) -> list[str]:
+    """What the mode ``name`` gathers, and what its ``transient`` row counts."""
+    gathered = [u for u in r.units if not u.kept]
+    kept = [u for u in r.units if u.kept]
+    parts = []
+    if gathered:
+        span = gathered[0].name
+        if len(gathered) > 1:
+            span += f" .. {gathered[-1].name}"
+        largest = max(u.numel for u in gathered)
+        parts.append(f"{len(gathered)} gathered in turn ({span}, up to {largest:,} elements)")
+    if kept:
+        numel = sum(u.numel for u in kept)
+        parts.append(f"{len(kept)} kept for the step ({numel:,} elements)")
+    if r.reshard_after_forward:
+        what = f"the running unit, {r.prefetch} prefetched, 2 unit gradients"
+    else:
+        what = "every unit from its forward to its backward, 2 unit gradients"
+    return [
+        f"units        {name}: {', '.join(parts)}",
+        f"transient    {name}: {what}, the kept units and their gradients ({short})",
+    ]
+
+
+def format_estimate(r: MemoryEstimate) -> str:
+    """The table ``torchshard estimate`` prints: per-rank bytes by mode, and what fits.
+
+    Example::
+
+        print(format_estimate(estimate_memory(layout, world_size=8)))
+    """
+    lines: list[str] = []
+    short = {v: k for k, v in DTYPES.items()}[r.dtype]
+    big = max(m.worst.total for m in r.modes) >= 2**30
+    unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
+    gathering = [m.name for m in r.modes if m.entry.gathers]
+    lines.append(f"model        {r.model} ({r.model_class})")
+    lines.append(
+        f"parameters   {r.parameters:,} in {r.tensors} tensors; flat buffer {r.numel:,} "
+        f"elements of {dtype_name(r.dtype)}"
+    )
+    lines.append(
+        f"training     {_OPTIMIZER_NAMES[r.optimizer]} at world size {r.world_size}"
+        f"{_precision(r, short)}"
+    )
+    for name in gathering:
+        lines.extend(_unit_lines(r, short, name))
+    lines.append("")
+    rows = [
+        (f"parameters ({short})", "parameters"),
+        (f"gradients ({short})", "gradients"),
+        ("optimizer state", "optimizer"),
+        ("fp32 master + grad", "master"),
+    ]
+    if gathering:
+        rows.append((f"transient ({short})", "transient"))
+    lines.append(f"{'per rank, ' + unit:<18}" + "".join(f"{m.name:>12}" for m in r.modes))
+    for label, key in rows:
+        values = [m.worst.as_dict()[key] / scale for m in r.modes]
+        lines.append(f"{label:<18}" + "".join(f"{v:>12,.2f}" for v in values))
+    lines.append(f"{'total':<18}" + "".join(f"{m.worst.total / scale:>12,.2f}" for m in r.modes))
+    lines.append("")
+    for m in r.modes:
+        if not m.entry.memory.divided or r.world_size == 1:
+            continue
+        if m.spread:
+            lines.append(
+                f"{m.name}: the worst rank (rank {m.worst.rank}); the others hold at most "
+                f"{m.spread:,} bytes less"
+            )
+        else:
+            lines.append(f"{m.name}: every rank holds the same")
+    if r.budget is not None and r.device_memory is not None:
+        size = f"{r.device_memory / scale:,.2f} {unit} ({r.device_memory:,} bytes)"
+        if r.reserve:
+            size += f", {r.reserve:.0%} reserved: {r.budget / scale:,.2f} {unit} for the above"
+        lines.append(f"device       {size}")
+        lines.extend(f"  {m.name + ':':<11} {_fit(r, m, r.budget)}" for m in r.modes)
+    lines.append(f"not counted: {', '.join(NOT_COUNTED)}; leave headroom for them (--reserve)")
+    return "\n".join(lines)
+
+
+def _fit(r: MemoryEstimate, m: ModeEstimate, budget: int) -> str:
+    """Whether mode ``m`` fits ``budget`` now, and at which world size it first does."""
+    now = f"{'fits' if m.worst.total <= budget else 'does not fit'} at world size {r.world_size}"
+    memory = m.entry.memory
+    if not memory.divided:
+        if m.min_world_size is not None:
+            return f"{now}; fits at any world size (nothing is divided among ranks)"
+        return f"{now}; no world size fits (nothing is divided among ranks)"
+    if m.min_world_size is not None:
+        return f"{now}; the smallest world size that fits is {m.min_world_size}"
+    if m.floor > budget:
+        return f"{now}; no world size fits: {memory.floor_note} {m.floor / 2**30:,.2f} GiB"
+    return f"{now}; no world size up to {MAX_WORLD_SIZE:,} fits"
