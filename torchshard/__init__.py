@@ -8,6 +8,7 @@ from ._errors import (
     LayoutError,
     RankMismatchError,
     TorchShardError,
+    UnwrittenBufferError,
 )
 from ._flat.layout import FlatLayout, ParamSlot
 from ._flat.module import FlatParamModule
@@ -33,6 +34,7 @@ __all__ = [
     "RankMemory",
     "RankMismatchError",
     "TorchShardError",
+    "UnwrittenBufferError",
     "__version__",
     "init_distributed",
     "plan_memory",
