@@ -193,6 +193,7 @@ NOT_READS = {
     "shape": lambda b, x: b.shape[0] + b.dim() + b.numel(),
     "dtype and device": lambda b, x: (b.dtype, b.device, b.is_floating_point()),
     "zeros_like": lambda b, x: torch.zeros_like(b),
+    "its shape for another": lambda b, x: (x.expand_as(b), x.type_as(b), x.to(b)),
     "a view": lambda b, x: b[1:].view(-1).detach(),
     "zero_": lambda b, x: b.zero_(),
     "out=": lambda b, x: torch.add(x, 1, out=b),

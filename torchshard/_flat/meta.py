@@ -14,7 +14,8 @@ buffer as a guarded alias (the same storage; a tensor subclass whose
   fills, a ``torch.nn.init`` function, ``out=``) writes it: from then on it is a plain
   buffer (a scratch or cache buffer filled before it is read trains);
 - a view of it (``buf[:n]``, ``.view``, ``.expand``, ``.detach``) stays guarded;
-- shape, dtype and device queries and ``*_like`` factories read no value;
+- shape, dtype and device queries, ``*_like`` factories and ``x.expand_as(buf)``
+  (``view_as``, ``reshape_as``, ``type_as``, ``to``) read no value;
 - any other op reads its zeros and raises :class:`UnwrittenBufferError` naming it, before
   an in-place op or ``out=`` could change it.
 
@@ -59,6 +60,8 @@ _METADATA = frozenset(
         "new_empty_strided",
     }
 )  # fmt: skip
+# Ops that take their other arguments for their shape, dtype or device only.
+_SELF_ONLY = frozenset({"expand_as", "view_as", "reshape_as", "type_as", "to"})
 _IN_PLACE_DUNDERS = frozenset(
     {
         "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
@@ -278,11 +281,9 @@ def _unwritten_in(items: Any) -> list[_Guarded]:
 
 
 def _alias_of(t: Any, g: torch.Tensor) -> bool:
-    return (
-        isinstance(t, torch.Tensor)
-        and t.device == g.device
-        and t.untyped_storage().data_ptr() == g.untyped_storage().data_ptr()
-    )
+    if not isinstance(t, torch.Tensor) or t.device != g.device or t.layout != torch.strided:
+        return False
+    return t.untyped_storage().data_ptr() == g.untyped_storage().data_ptr()
 
 
 class _Guarded(torch.Tensor):
@@ -309,6 +310,8 @@ class _Guarded(torch.Tensor):
             elif "out" in kwargs:
                 rest = [v for k, v in kwargs.items() if k != "out"]
                 read, mutates = _unwritten_in(args) + _unwritten_in(rest), True
+            elif name in _SELF_ONLY:
+                read, mutates = _unwritten_in(args[:1]), False
             else:
                 read = _unwritten_in(args) + _unwritten_in(kwargs.values())
                 mutates = name in _IN_PLACE_DUNDERS or (
