@@ -164,6 +164,18 @@ def test_a_buffer_the_init_function_writes_has_no_check_at_all():
     train(fm, 1)
 
 
+def test_a_buffer_moved_or_cast_while_unwritten_stays_checked():
+    fm = built_on_meta(lambda: Scratch("read"))
+    fm.double()  # a new tensor for every buffer, still zeros nobody wrote
+    assert fm.unwritten_buffers() == ["cache", "spare"]
+    with pytest.raises(UnwrittenBufferError, match="buffer 'cache'"):
+        fm(batch(0).double())
+    fm.module.cache.fill_(0.5)
+    fm.float()
+    assert fm.unwritten_buffers() == ["spare"]
+    train(fm, 1)
+
+
 class Ops(nn.Module):
     """Runs ``op(buffer, x)`` in forward: what counts as a read, a write, or neither."""
 

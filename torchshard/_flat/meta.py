@@ -134,6 +134,7 @@ class MetaBuffers:
                     continue
                 if buf.device.type != "meta":
                     m._buffers[key] = buf.to(device)
+                    self.follow(m, key, buf, m._buffers[key])
                     continue
                 new = torch.zeros_like(buf, device=device)
                 m._buffers[key] = new
@@ -142,6 +143,22 @@ class MetaBuffers:
                     persistent = key not in m._non_persistent_buffers_set
                     self._pending[name] = _Unwritten(name, m, key, new, new._version, persistent)
         self._arm()
+
+    def follow(self, owner: nn.Module, key: str, old: torch.Tensor, new: torch.Tensor) -> None:
+        """``new`` took ``old``'s place as buffer ``key`` of ``owner`` (moved or cast by
+        ``fm.to()``): if ``old`` held unwritten zeros, so does ``new``.
+
+        Example::
+
+            old = model.table
+            new = model._buffers["table"] = old.double()
+            fm.meta_buffers.follow(model, "table", old, new)
+        """
+        if new is old:
+            return
+        for u in self._pending.values():
+            if u.owner is owner and u.key == key and u.tensor is old and old._version == u.version:
+                u.tensor, u.version, u.alias = new, new._version, None
 
     def unwritten(self) -> list[str]:
         """The qualified names of the buffers nothing has written yet, in ``named_buffers()`` order.

@@ -400,6 +400,7 @@ class FlatParamModule(nn.Module):
             for key, buf in m._buffers.items():
                 if buf is not None:
                     m._buffers[key] = fn(buf)
+                    self._meta.follow(m, key, buf, m._buffers[key])  # still unwritten
         return self
 
     def named_flat_views(self) -> Iterator[tuple[ParamSlot, torch.Tensor]]:
