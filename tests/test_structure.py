@@ -19,7 +19,16 @@ FLAT = {  # the buffer: imports nothing from parallelism or checkpointing
     "_flat.geometry": {"_errors", "_flat.layout"},
     "_flat.hf": {"_log"},
     "_flat.views": {"_flat.layout", "_log"},
-    "_flat.module": {"_errors", "_flat.hf", "_flat.layout", "_flat.views", "_log", "_stepped"},
+    "_flat.meta": {"_errors"},
+    "_flat.module": {
+        "_errors",
+        "_flat.hf",
+        "_flat.layout",
+        "_flat.meta",
+        "_flat.views",
+        "_log",
+        "_stepped",
+    },
 }
 PARALLEL = {  # data parallelism: the trainer core, one file per mode, the protocol
     "_parallel.buckets": {"_flat.layout"},
