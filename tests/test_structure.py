@@ -104,6 +104,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
 CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the trainer class
     "checkpoint._rules": set(),
     "checkpoint._safetensors": {"_errors"},
+    "checkpoint._safetensors_reader": {"_errors", "checkpoint._safetensors"},
     "checkpoint._plan": {"_flat.geometry", "_flat.layout"},
     "checkpoint._stripes": {"_errors", "checkpoint._plan"},
     "checkpoint._format": {
@@ -119,6 +120,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the tra
         "checkpoint._format",
         "checkpoint._rules",
         "checkpoint._safetensors",
+        "checkpoint._safetensors_reader",
     },
     "checkpoint._target": {
         "_dist",
@@ -173,6 +175,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the tra
         "checkpoint._format",
         "checkpoint._metadata",
         "checkpoint._safetensors",
+        "checkpoint._safetensors_reader",
         "checkpoint._tools",
     },
 }
