@@ -127,7 +127,7 @@ class _Rotary(nn.Module):
         return self.lin(x) * self.freq
 
 
-def test_a_meta_buffer_nothing_writes_is_an_error_naming_it_at_the_first_forward():
+def test_a_meta_buffer_nothing_writes_is_an_error_naming_it_when_forward_reads_it():
     with torch.device("meta"):
         model = _Rotary()
     fm = torchshard.FlatParamModule(model).bind(torch.empty(32))

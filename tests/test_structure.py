@@ -19,7 +19,16 @@ FLAT = {  # the buffer: imports nothing from parallelism or checkpointing
     "_flat.geometry": {"_errors", "_flat.layout"},
     "_flat.hf": {"_log"},
     "_flat.views": {"_flat.layout", "_log"},
-    "_flat.module": {"_errors", "_flat.hf", "_flat.layout", "_flat.views", "_log", "_stepped"},
+    "_flat.meta": {"_errors"},
+    "_flat.module": {
+        "_errors",
+        "_flat.hf",
+        "_flat.layout",
+        "_flat.meta",
+        "_flat.views",
+        "_log",
+        "_stepped",
+    },
 }
 PARALLEL = {  # data parallelism: the trainer core, one file per mode, the protocol
     "_parallel.buckets": {"_flat.layout"},
@@ -108,6 +117,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
 CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the trainer class
     "checkpoint._rules": set(),
     "checkpoint._safetensors": {"_errors"},
+    "checkpoint._safetensors_reader": {"_errors", "checkpoint._safetensors"},
     "checkpoint._plan": {"_flat.geometry", "_flat.layout"},
     "checkpoint._stripes": {"_errors", "checkpoint._plan"},
     "checkpoint._format": {
@@ -123,6 +133,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the tra
         "checkpoint._format",
         "checkpoint._rules",
         "checkpoint._safetensors",
+        "checkpoint._safetensors_reader",
     },
     "checkpoint._target": {
         "_dist",
@@ -177,6 +188,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the tra
         "checkpoint._format",
         "checkpoint._metadata",
         "checkpoint._safetensors",
+        "checkpoint._safetensors_reader",
         "checkpoint._tools",
     },
 }

@@ -8,6 +8,7 @@ from ._errors import (
     LayoutError,
     RankMismatchError,
     TorchShardError,
+    UnwrittenBufferError,
 )
 from ._flat.layout import FlatLayout, ParamSlot
 from ._flat.module import FlatParamModule
@@ -40,6 +41,7 @@ __all__ = [
     "Replicate",
     "ShardOptimizer",
     "TorchShardError",
+    "UnwrittenBufferError",
     "__version__",
     "init_distributed",
     "plan_memory",

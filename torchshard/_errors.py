@@ -16,6 +16,7 @@ __all__ = [
     "LayoutError",
     "RankMismatchError",
     "TorchShardError",
+    "UnwrittenBufferError",
     "and_more",
 ]
 
@@ -53,6 +54,13 @@ class CheckpointError(TorchShardError):
 
 class DataError(TorchShardError, ValueError):
     """A data sampler got a bad argument or saved state, or cannot know its position exactly."""
+
+
+class UnwrittenBufferError(TorchShardError, RuntimeError):
+    """Forward read a buffer built on meta that nothing wrote: it holds zeros, not its values.
+
+    The message names the buffer and how to write it (an init function, a checkpoint).
+    """
 
 
 class ArgumentError(TorchShardError, ValueError):

@@ -19,6 +19,7 @@ from .hf import (
     restore_declared_ties,
 )
 from .layout import FlatLayout, ParamSlot
+from .meta import MetaBuffers
 from .views import (
     Owners,
     install_grad_hooks,
@@ -84,10 +85,7 @@ class FlatParamModule(nn.Module):
         )
         self._flat: torch.Tensor | None = None
         self._grad: torch.Tensor | None = None
-        # Buffers built on meta, materialized as zeros by bind() and not written since:
-        # name -> (the tensor, its version counter at bind).
-        self._unset_buffers: dict[str, tuple[torch.Tensor, int]] = {}
-        self._buffer_check: Any = None  # the forward pre-hook that checks them, once
+        self._meta = MetaBuffers(module)  # buffers built on meta that nothing wrote yet
         # Who hears that a parameter's gradient is ready: [WeakMethod of callable(slot) or
         # None]. The one per-parameter hook calls it (a trainer sets it: _set_grad_listener).
         self._grad_listener: list[weakref.WeakMethod | None] = [None]
@@ -128,6 +126,17 @@ class FlatParamModule(nn.Module):
     @property
     def is_bound(self) -> bool:
         return self._flat is not None
+
+    @property
+    def meta_buffers(self) -> MetaBuffers:
+        """The buffers built on meta that nothing has written since :meth:`bind` made them
+        zeros; a forward that reads one raises, naming it (:class:`MetaBuffers`).
+
+        Example::
+
+            fm.meta_buffers.unwritten()          # ['rotary.inv_freq'] until something writes it
+        """
+        return self._meta
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -201,22 +210,10 @@ class FlatParamModule(nn.Module):
         self._flat, self._grad = flat, grad if trains else None
         return self
 
-    @torch.no_grad()
     def _materialize_buffers(self, device: torch.device) -> None:
-        """Move module buffers to ``device``; ones built on meta become zeros, checked at the
-        first forward (:meth:`unwritten_buffers`)."""
-        for prefix, m in self.module.named_modules(remove_duplicate=False):
-            for key, buf in m._buffers.items():
-                if buf is None or buf.device == device:
-                    continue
-                if buf.device.type == "meta":
-                    new_buf = torch.zeros_like(buf, device=device)
-                    name = f"{prefix}.{key}" if prefix else key
-                    self._unset_buffers[name] = (new_buf, new_buf._version)
-                    m._buffers[key] = new_buf
-                else:
-                    m._buffers[key] = buf.to(device)
-        self._arm_buffer_check()
+        """Move module buffers to ``device``; ones built on meta become zeros, which a
+        forward may not read before something writes them (:attr:`meta_buffers`)."""
+        self._meta.materialize(device)
 
     def _detach_buffers(self) -> None:
         """Forget the flat buffers: a fully sharded trainer made the parameters views of its
@@ -270,8 +267,10 @@ class FlatParamModule(nn.Module):
         transformers' ``_init_weights``). ``fn`` must write in place;
         replacing a parameter raises :class:`TorchShardError`. A buffer built
         on meta that nothing writes (not this, nor a checkpoint load, nor the
-        user) raises at the first forward, naming it: its zeros would be
-        silently wrong (e.g. rotary frequencies, a causal mask).
+        user, nor forward before it reads it) raises
+        :class:`~torchshard.UnwrittenBufferError` when forward reads it, naming
+        it: its zeros would be silently wrong (e.g. rotary frequencies, a
+        causal mask). A buffer forward never reads, or writes first, trains.
 
         Example::
 
@@ -284,53 +283,17 @@ class FlatParamModule(nn.Module):
         else:
             _init_own_way(self.module)
         self.check_views()
+        self._meta.refresh()  # every buffer written: no check is left
         return self
 
     def unwritten_buffers(self) -> list[str]:
-        """Buffers built on meta that nothing wrote since :meth:`bind` made them zeros."""
-        unset = []
-        for name, buf in self.module.named_buffers(remove_duplicate=False):
-            rec = self._unset_buffers.get(name)
-            if rec is not None and rec[0] is buf and rec[1] == buf._version:
-                unset.append(name)
-        return unset
+        """Buffers built on meta that nothing wrote since :meth:`bind` made them zeros.
 
-    def _still_unwritten(self, names: list[str]) -> None:
-        """Count ``names`` as unwritten again (a broadcast of their zeros is no value)."""
-        for name, buf in self.module.named_buffers(remove_duplicate=False):
-            if name in names:
-                self._unset_buffers[name] = (buf, buf._version)
+        Example::
 
-    def _arm_buffer_check(self) -> None:
-        """Check at the first forward, not before: a checkpoint load or the user may still
-        write the buffers (building on meta, then loading, is the way to resume)."""
-        if self._buffer_check is None and self._unset_buffers:
-            self._buffer_check = self.module.register_forward_pre_hook(self._check_buffers)
-
-    def _check_buffers(self, *_: Any) -> None:
-        unset = self.unwritten_buffers()
-        if unset:
-            persistent = set(self.module.state_dict(keep_vars=True))
-            raise TorchShardError(
-                f"buffer {unset[0]!r}"
-                + (f" (and {len(unset) - 1} more: {unset[1:]})" if len(unset) > 1 else "")
-                + " was built on the meta device and nothing wrote it before the first forward "
-                "(init_weights, a checkpoint load, load_state_dict or your code), so it holds "
-                "zeros instead of the values its module computes at construction; "
-                + (
-                    "load a checkpoint that holds it, write it in the init function (or a "
-                    "reset_parameters() of its module), "
-                    if unset[0] in persistent
-                    else "it is non-persistent, so no checkpoint holds it: write it in the "
-                    "init function (or a reset_parameters() of its module) or by hand, "
-                )
-                + "or build the model under accelerate.init_empty_weights() (parameters on "
-                "meta, buffers real)"
-            )
-        self._unset_buffers = {}
-        if self._buffer_check is not None:
-            self._buffer_check.remove()
-            self._buffer_check = None
+            assert fm.unwritten_buffers() == []  # every buffer holds its value
+        """
+        return self._meta.unwritten()
 
     def check_views(self) -> None:
         """Raise :class:`TorchShardError` naming a parameter that is no longer a view of the buffer."""
@@ -440,6 +403,7 @@ class FlatParamModule(nn.Module):
             for key, buf in m._buffers.items():
                 if buf is not None:
                     m._buffers[key] = fn(buf)
+                    self._meta.follow(m, key, buf, m._buffers[key])  # still unwritten
         return self
 
     def named_flat_views(self) -> Iterator[tuple[ParamSlot, torch.Tensor]]:

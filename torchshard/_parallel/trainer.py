@@ -140,16 +140,15 @@ class DistributedTrainer:
             token = check_same_model(fm, self._mode, self._group, self.device, src)
             self._params = self._mode.adopt(fm, self.device, self._group, src, init_fn)
             self._flat = None
-            unwritten = fm.unwritten_buffers()
-            self._broadcast_buffers(src)
+            with fm.meta_buffers.preserved():  # src's zeros are no value: still unwritten
+                self._broadcast_buffers(src)
         else:
             bind_buffers(fm, self._mode, self.padded_numel, self.device, self.world_size, init_fn)
             self._flat = fm.flat_param
             token = check_same_model(fm, self._mode, self._group, self.device, src)
-            unwritten = fm.unwritten_buffers()  # the same on every rank: same model and init
-            self.broadcast(src)
+            with fm.meta_buffers.preserved():  # src's zeros are no value: still unwritten
+                self.broadcast(src)
             self._params = tuple(p for _, p in fm.named_flat_views())
-        fm._still_unwritten(unwritten)  # src's zeros are no value: check at the first forward
         self._coordinator = (
             Coordinator(token, self.rank, self.world_size) if self.world_size > 1 else None
         )

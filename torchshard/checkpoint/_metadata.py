@@ -32,7 +32,8 @@ from ._rules import (
     expect_list,
     expect_str,
 )
-from ._safetensors import FileRecord, SafetensorsReader, TensorEntry
+from ._safetensors import FileRecord, TensorEntry
+from ._safetensors_reader import SafetensorsReader
 
 __all__ = ["Metadata", "OptimMeta", "Readers", "read_metadata"]
 

@@ -1,4 +1,5 @@
-"""Standard safetensors files, written from staged host memory and read by byte range.
+"""Standard safetensors files, written from staged host memory (read by byte range in
+:mod:`._safetensors_reader`).
 
 The writer streams each tensor's bytes straight from its (CPU) memory in
 large writes (no serialized copy of the file), computing per-chunk CRC32s on
@@ -16,7 +17,6 @@ import math
 import os
 import re
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +26,6 @@ from .._errors import CheckpointError
 
 __all__ = [
     "FileRecord",
-    "SafetensorsReader",
     "SafetensorsWriter",
     "TensorEntry",
     "bytes_of",
@@ -244,13 +243,6 @@ class SafetensorsWriter:
         self.close()
 
 
-def _count(v: object) -> int:
-    """A JSON non-negative integer (``int()`` would also take floats, bools and strings)."""
-    if type(v) is not int or v < 0:
-        raise ValueError(f"expected a non-negative integer, got {v!r}")
-    return v
-
-
 def _write_all(f, data: memoryview) -> None:
     while len(data):
         n = f.write(data)
@@ -269,206 +261,3 @@ def write_safetensors(
         for _, t in tensors:
             out.write_tensor(t)
         return out.finish()
-
-
-class SafetensorsReader:
-    """Reads byte ranges of one safetensors file, verifying chunk CRCs when a record is given.
-
-    ``bytes_read`` counts what came from the file (for I/O accounting).
-    """
-
-    def __init__(self, path: Path, record: FileRecord | None = None) -> None:
-        self.path = Path(path)
-        self.record = record
-        self.bytes_read = 0
-        self._cached: tuple[int, bytearray] | None = None
-        try:
-            self._f = open(self.path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
-        except OSError as e:
-            raise CheckpointError(
-                f"{self.path}: cannot open ({e.strerror}); is the file missing?"
-            ) from e
-        try:
-            self.size = os.fstat(self._f.fileno()).st_size
-            if record is not None and self.size != record.size:
-                raise CheckpointError(
-                    f"{self.path}: expected {record.size} bytes, found {self.size}; "
-                    "the file is truncated or was replaced"
-                )
-            self.entries, self.metadata, self.data_start = self._parse_header()
-            self.chunk_bytes, self.crc32 = self._parse_checksums()
-        except BaseException:
-            self._f.close()
-            raise
-
-    def _error(self, what: str) -> CheckpointError:
-        return CheckpointError(f"{self.path}: not a valid safetensors file: {what}")
-
-    def _parse_header(self) -> tuple[dict[str, TensorEntry], dict[str, str], int]:
-        if self.size < 8:
-            raise self._error(f"{self.size} bytes, shorter than the 8-byte header length")
-        first = bytearray(8)
-        self._pread(0, memoryview(first))
-        n = int.from_bytes(first, "little")
-        if n > _MAX_HEADER or 8 + n > self.size:
-            raise self._error(f"header length {n} does not fit in {self.size} bytes")
-        raw = bytearray(n)
-        self._pread(8, memoryview(raw))
-        if self.record is not None and _crc32(raw, _crc32(first)) != self.record.header_crc32:
-            raise CheckpointError(
-                f"{self.path}: header checksum mismatch; the file is corrupt, restore it or "
-                "load an earlier checkpoint"
-            )
-        try:
-            header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise self._error(f"header is not JSON ({e})") from e
-        if not isinstance(header, dict):
-            raise self._error("header is not a JSON object")
-        metadata = header.pop("__metadata__", None) or {}
-        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-            raise self._error("__metadata__ is not an object of strings")
-        data_start, entries, end = 8 + n, {}, 0
-        try:
-            for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                dtype = _FROM_NAME[e["dtype"]]
-                shape = tuple(_count(d) for d in e["shape"])
-                begin, stop = (_count(x) for x in e["data_offsets"])
-                if begin != end or stop - begin != math.prod(shape) * dtype.itemsize:
-                    raise self._error(
-                        f"tensor {name!r}: data_offsets {[begin, stop]} are inconsistent"
-                    )
-                entries[name] = TensorEntry(name, dtype, shape, begin, stop)
-                end = stop
-        except (KeyError, TypeError, ValueError) as e:
-            raise self._error(f"malformed tensor entry ({type(e).__name__}: {e})") from e
-        if data_start + end != self.size:
-            raise self._error(f"data ends at byte {data_start + end}, file has {self.size}")
-        return entries, metadata, data_start
-
-    def _parse_checksums(self) -> tuple[int, tuple[int, ...]]:
-        """The data section's chunk size and CRC32s, from the header (when a record vouches for it)."""
-        if self.record is None:
-            return 0, ()
-        chunk_text = self.metadata.get("torchshard.chunk_bytes")
-        text = self.metadata.get("torchshard.crc32")
-        digits = isinstance(chunk_text, str) and chunk_text.isascii() and chunk_text.isdigit()
-        if not digits or not isinstance(text, str):
-            raise self._error("no chunk checksums in its header")
-        if text and not _is_hex(text):
-            raise self._error("torchshard.crc32 holds something other than hex digits")
-        chunk = int(chunk_text)
-        crcs = tuple(int(text[i : i + 8], 16) for i in range(0, len(text), 8))
-        data = self.size - self.data_start
-        if chunk <= 0 or len(text) % 8 or len(crcs) != -(-data // chunk):
-            raise self._error(f"{len(crcs)} checksums do not cover {data} bytes of data")
-        return chunk, crcs
-
-    def verify(self, progress: Callable[[int], None] | None = None) -> list[int]:
-        """Read the whole data section; return the indices of chunks whose CRC32 is wrong."""
-        bad = []
-        for index in range(len(self.crc32)):
-            try:
-                self._chunk(index)
-            except CheckpointError:
-                bad.append(index)
-            if progress is not None:
-                progress(
-                    min(self.chunk_bytes, self.size - self.data_start - index * self.chunk_bytes)
-                )
-        return bad
-
-    def read_into(self, name: str, start: int, stop: int, dst: torch.Tensor) -> None:
-        """Copy elements ``[start, stop)`` of tensor ``name`` (flattened) into CPU tensor ``dst``."""
-        if dst.device.type != "cpu" or not dst.is_contiguous():
-            # the bytes are written through dst's address: a device pointer would crash
-            raise ValueError(
-                f"read into contiguous host memory, then copy to the device; got a "
-                f"{'contiguous' if dst.is_contiguous() else 'non-contiguous'} tensor on {dst.device}"
-            )
-        e = self.entries.get(name)
-        if e is None:
-            raise CheckpointError(f"{self.path}: has no tensor {name!r}")
-        item = e.dtype.itemsize
-        if (
-            dst.dtype != e.dtype
-            or dst.numel() != stop - start
-            or not 0 <= start <= stop <= (e.end - e.begin) // item
-        ):
-            raise CheckpointError(
-                f"{self.path}: tensor {name!r} ({e.dtype}, {(e.end - e.begin) // item} elements) "
-                f"cannot fill elements [{start}, {stop}) of a {dst.dtype} buffer of {dst.numel()}"
-            )
-        self._read_into(self.data_start + e.begin + start * item, bytes_of(dst))
-
-    def _read_into(self, offset: int, out: memoryview) -> None:
-        """Read ``len(out)`` bytes at file ``offset`` into ``out``, verifying every chunk they
-        touch. Whole chunks are read straight into ``out``, many per call, and checked there;
-        only a chunk cut by either end goes through a buffer (the last one is kept: the next
-        range usually starts in it)."""
-        if self.record is None:
-            self._pread(offset, out)
-            return
-        chunk, base = self.chunk_bytes, self.data_start
-        pos, end = offset - base, offset - base + len(out)  # within the data section
-        data_end = self.size - base
-        while pos < end:
-            index = pos // chunk
-            first = index * chunk
-            if pos == first and min(first + chunk, data_end) <= end:
-                # whole chunks (the data's short last one too): read in place, up to
-                # _READ_BLOCK at a time (at least one chunk)
-                stop = min(end, pos + _READ_BLOCK)
-                if stop != data_end:
-                    stop -= stop % chunk
-                view = out[pos - (offset - base) : stop - (offset - base)]
-                self._pread(base + pos, view)
-                for i in range(index, -(-stop // chunk)):
-                    lo = (i - index) * chunk
-                    self._check(i, view[lo : lo + chunk])
-                pos = stop
-                continue
-            data = self._chunk(index)
-            lo = pos - first
-            take = min(end - pos, len(data) - lo)
-            out[pos - (offset - base) : pos - (offset - base) + take] = data[lo : lo + take]
-            pos += take
-
-    def _check(self, index: int, data: memoryview | bytearray) -> None:
-        if _crc32(data) != self.crc32[index]:
-            start = self.data_start + index * self.chunk_bytes
-            raise CheckpointError(
-                f"{self.path}: checksum mismatch in bytes [{start}, {start + len(data)}); "
-                "the file is corrupt, restore it or load an earlier checkpoint"
-            )
-
-    def _chunk(self, index: int) -> bytearray:
-        if self._cached is not None and self._cached[0] == index:
-            return self._cached[1]
-        chunk = self.chunk_bytes
-        start = self.data_start + index * chunk
-        buf = bytearray(min(chunk, self.size - start))
-        self._pread(start, memoryview(buf))
-        self._check(index, buf)
-        self._cached = (index, buf)  # never written to after this
-        return buf
-
-    def _pread(self, offset: int, out: memoryview) -> None:
-        done = 0
-        while done < len(out):
-            n = os.preadv(self._f.fileno(), [out[done:]], offset + done)
-            if n == 0:
-                raise CheckpointError(
-                    f"{self.path}: unexpected end of file at byte {offset + done}"
-                )
-            done += n
-        self.bytes_read += len(out)
-
-    def close(self) -> None:
-        self._f.close()
-
-    def __enter__(self) -> SafetensorsReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
