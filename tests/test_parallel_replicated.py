@@ -134,7 +134,7 @@ def _launches_during_backward() -> dict:
         buckets=trainer.stats.buckets,
         stat=trainer.stats.launched_during_backward,
         numel=fm.numel,
-        mask=trainer._mode._store.numel() - fm.flat_grad.numel(),
+        mask=trainer._reducer._store.numel() - fm.flat_grad.numel(),
     )
 
 

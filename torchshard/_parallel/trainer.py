@@ -17,11 +17,12 @@ from .._flat.module import FlatParamModule
 from .._log import get_logger
 from .._stepped import allow, forbid, held_state_bytes
 from .buckets import Bucket, plan_buckets
+from .comm import Mesh1D, ReduceSpec
 from .full import FullyShard
 from .mode import Context, Mode, Segment
-from .reducer import CommStats, Reducer
 from .replicated import Replicated
-from .setup import assert_in_sync, bind_buffers, check_same_model, native_mean, pick_device
+from .seam import CommStats
+from .setup import assert_in_sync, check_same_model, native_mean, pick_device
 from .sharded import ShardedOptimizer
 from .shards import LocalShards, MemoryStats
 from .units import Unit, UnitSpec
@@ -118,8 +119,8 @@ class DistributedTrainer:
         if process_group is None:
             init_distributed()
         self._group = process_group
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
+        self._mesh = Mesh1D.of(process_group)
+        self.rank, self.world_size = self._mesh.rank, self._mesh.size
         if not 0 <= src < self.world_size:
             raise TorchShardError(f"src: expected a rank in [0, {self.world_size}), got {src}")
         self.module = fm
@@ -132,22 +133,15 @@ class DistributedTrainer:
         self.padded_numel = self._geometry.total
         self._closed = False
         track(self)  # closed at interpreter exit if nobody closes it before
-        if self._mode.owns_buffers:
-            # the model (and the units) are checked before the first collective that
-            # depends on them
-            self._mode.prepare(fm)
-            token = check_same_model(fm, self._mode, self._group, self.device, src)
-            self._params = self._mode.adopt(fm, self.device, self._group, src, init_fn)
-            self._flat = None
-            unwritten = fm.unwritten_buffers()
-            self._broadcast_buffers(src)
-        else:
-            bind_buffers(fm, self._mode, self.padded_numel, self.device, self.world_size, init_fn)
-            self._flat = fm.flat_param
-            token = check_same_model(fm, self._mode, self._group, self.device, src)
-            unwritten = fm.unwritten_buffers()  # the same on every rank: same model and init
-            self.broadcast(src)
-            self._params = tuple(p for _, p in fm.named_flat_views())
+        # One program for every mode: plan from the module alone, check that every rank
+        # built the same model (before the first collective that depends on it and before
+        # anything is allocated), bind (initializing meta weights), broadcast from src.
+        self._mode.prepare(fm)
+        token = check_same_model(fm, self._mode, self._group, self.device, src)
+        self._params = self._mode.adopt(fm, self.device, self._group, src, init_fn)
+        self._flat = fm.flat_param
+        unwritten = fm.unwritten_buffers()  # the same on every rank: same model and init
+        self._broadcast_buffers(src)
         fm._still_unwritten(unwritten)  # src's zeros are no value: check at the first forward
         self._coordinator = (
             Coordinator(token, self.rank, self.world_size) if self.world_size > 1 else None
@@ -162,26 +156,21 @@ class DistributedTrainer:
                 "the result; build it with trainer.make_optimizer(torch.optim.AdamW, lr=...) "
                 "and call trainer.step()",
             )
-        # NCCL averages natively (ReduceOp.AVG: a pre-multiplied sum, no extra pass).
-        # Elsewhere a bucket is scaled by 1/world as it launches: float16 must be (it tops
-        # out at 65504: a sum over ranks overflows where the mean would not), and the
-        # replicated mode does so always, as DDP does (the bucket is warm, the pass
-        # overlaps backward). The sharded mode divides its slice after, in the master dtype.
+        # The division policy, once: NCCL averages natively (ReduceOp.AVG, no extra pass);
+        # elsewhere float16 and the replicated mode scale each bucket as it launches, the
+        # sharded modes divide their part after, in the master dtype (ReduceSpec.of).
         self._mean_op = native_mean(self._group, self.device)
-        self._divide_first = self._mean_op is None and (
-            fm.dtype == torch.float16 or self._mode.divides_first
+        spec = ReduceSpec.of(
+            self.world_size, fm.dtype, self._mean_op, prefer_pre=self._mode.divides_first
         )
         self._ctx = Context(
             fm=fm,
-            group=self._group,
-            rank=self.rank,
-            world_size=self.world_size,
+            mesh=self._mesh,
             device=self.device,
             geometry=self._geometry,
             params=self._params,
             trainable=self._trainable,
-            divide_first=self._divide_first,
-            mean_op=self._mean_op,
+            spec=spec,
         )
         self._buckets: tuple[Bucket, ...] = plan_buckets(
             layout,
@@ -192,7 +181,7 @@ class DistributedTrainer:
         self._mode.setup(self._ctx, self._buckets)
         self._optimizer: torch.optim.Optimizer | None = None
         self.group_names: list[list[str]] = []  # per param group of make_optimizer's optimizer
-        self._reducer = self._mode.own_reducer() or Reducer(self._ctx, self._mode, self._buckets)
+        self._reducer = self._mode.grad_sync(self._ctx, self._buckets)
         self.stats = self._reducer.stats
         logger.info(
             "DistributedTrainer: rank %d of %d on %s, %d parameters in %d %s(s)",
@@ -260,13 +249,12 @@ class DistributedTrainer:
         flat = self.module.flat_param
         assert flat is not None
         # torch's broadcast takes a global rank; src is a rank of our group.
-        root = src if self._group is None else dist.get_global_rank(self._group, src)
-        dist.broadcast(flat, root, group=self._group)
+        dist.broadcast(flat, self._mesh.global_rank(src), group=self._group)
         self._broadcast_buffers(src)
 
     def _broadcast_buffers(self, src: int) -> None:
         if self.world_size > 1:
-            root = src if self._group is None else dist.get_global_rank(self._group, src)
+            root = self._mesh.global_rank(src)
             for b in self.module.module.buffers():
                 dist.broadcast(b, root, group=self._group)
 
@@ -338,19 +326,7 @@ class DistributedTrainer:
         grad = self._mode.local_grad(self._ctx)
         if grad is None:
             return torch.zeros((), device=self.device)
-        norm_type = float(norm_type)
-        low = grad.dtype in (torch.bfloat16, torch.float16)  # accumulate those in fp32
-        local = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32 if low else None)
-        if self._mode.norm_is_partial and self.world_size > 1:
-            if norm_type == float("inf"):
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._group)
-                total = local
-            else:
-                power = local.pow(norm_type)
-                dist.all_reduce(power, group=self._group)
-                total = power.pow(1.0 / norm_type)
-        else:
-            total = local
+        total = self._mode.norm(self._ctx, grad, float(norm_type))
         if error_if_nonfinite and not torch.isfinite(total):
             raise TorchShardError(
                 f"the total gradient norm is {total.item()}; set error_if_nonfinite=False to clip anyway"
