@@ -37,6 +37,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_parallel.shards",
         "_parallel.units",
     },
+    "_parallel.optim": {"_flat.layout", "_parallel.seam"},
     "_parallel.shards": set(),
     "_parallel.replicated": {"_parallel.comm", "_parallel.mode"},
     "_parallel.sharded": {
@@ -86,6 +87,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_parallel.comm",
         "_parallel.full",
         "_parallel.mode",
+        "_parallel.optim",
         "_parallel.replicated",
         "_parallel.seam",
         "_parallel.setup",

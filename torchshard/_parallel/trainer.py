@@ -20,6 +20,8 @@ from .buckets import Bucket, plan_buckets
 from .comm import Mesh1D, ReduceSpec
 from .full import FullyShard
 from .mode import Context, Mode, Segment
+from .optim import GroupRule
+from .optim import param_groups as group_params
 from .replicated import Replicated
 from .seam import CommStats
 from .setup import assert_in_sync, check_same_model, native_mean, pick_device
@@ -340,7 +342,7 @@ class DistributedTrainer:
         self,
         optimizer_class: type[torch.optim.Optimizer],
         *,
-        groups: list[tuple[Callable[[str], bool], dict[str, Any]]] | None = None,
+        groups: list[GroupRule] | None = None,
         **defaults: Any,
     ) -> torch.optim.Optimizer:
         """Build an elementwise optimizer over what this rank updates.
@@ -366,28 +368,10 @@ class DistributedTrainer:
         self._check_open()
         if self._optimizer is not None:
             raise TorchShardError("make_optimizer: this trainer already has an optimizer")
-        rules = list(groups or [])
-        layout = self.module.layout
-
-        def group_of(i: int) -> int:
-            names = layout.slots[i].names
-            for g, (pred, _) in enumerate(rules):
-                if any(pred(n) for n in names):
-                    return g + 1
-            return 0
-
-        members: list[list[torch.Tensor]] = [[] for _ in range(len(rules) + 1)]
-        self.group_names = [[] for _ in range(len(rules) + 1)]
-        for i in self._trainable:
-            self.group_names[group_of(i)].append(layout.slots[i].name)
-        for i, _, _, tensor in self._mode.optimizer_tensors(self._ctx):
-            members[group_of(i)].append(tensor)
-        if not any(members):
-            # torch refuses an optimizer without parameters; a rank whose slice
-            # holds only padding steps an empty tensor instead.
-            members[0].append(torch.nn.Parameter(torch.empty(0, device=self.device)))
-        param_groups = [{"params": members[0]}]
-        param_groups += [{"params": m, **over} for m, (_, over) in zip(members[1:], rules)]
+        segments = self._mode.optimizer_tensors(self._ctx)
+        param_groups, self.group_names = group_params(
+            self.module.layout, self._trainable, segments, list(groups or []), self.device
+        )
         self._optimizer = optimizer_class(param_groups, **defaults)
         return self._optimizer
 
