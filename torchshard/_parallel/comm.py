@@ -167,7 +167,8 @@ class AllReduce:
     def launch(self, view: torch.Tensor, spec: ReduceSpec, bucket: Bucket) -> Future[torch.Tensor]:
         """All-reduce ``view`` over the mesh by ``spec``."""
         spec.scale_before(view)
-        return settled(dist.all_reduce(view, op=spec.op, group=self.mesh.group, async_op=True), view)
+        work = dist.all_reduce(view, op=spec.op, group=self.mesh.group, async_op=True)
+        return settled(work, view)
 
 
 class ReduceToOwner:
