@@ -19,15 +19,15 @@ import torch.distributed as dist
 
 from .._flat.geometry import Geometry
 from .._flat.module import FlatParamModule
-from .buckets import Bucket
-from .comm import AllReduce, BucketComm, Mesh1D
+from .buckets import Bucket, plan_buckets
+from .comm import AllReduce, BucketComm, Mesh1D, ReduceSpec
 from .reducer import BucketReducer, mask_room
 from .seam import Context, GradSync, Segment
 from .setup import bind_buffers
 from .shards import LocalShards
 from .units import Unit
 
-__all__ = ["Context", "Mode", "Segment", "summed_norm"]
+__all__ = ["Context", "Mode", "Segment", "summed_norm", "wire_gradients"]
 
 
 def summed_norm(local: torch.Tensor, norm_type: float, mesh: Mesh1D) -> torch.Tensor:
@@ -200,3 +200,32 @@ class Mode:
 
     def master_bytes(self) -> int:
         return 0
+
+
+def wire_gradients(
+    mode: Mode,
+    fm: FlatParamModule,
+    mesh: Mesh1D,
+    device: torch.device,
+    geometry: Geometry,
+    params: tuple[torch.nn.Parameter, ...],
+    bucket_bytes: float,
+    native: dist.ReduceOp.RedOpType | None,
+) -> tuple[Context, tuple[Bucket, ...], GradSync]:
+    """The gradient path of a trainer whose module ``mode`` adopted (``params``, by slot):
+    the division policy, once (:meth:`ReduceSpec.of`: ``native`` is the backend's averaging
+    op, else ``None``), the context, the buckets (with the mode's cuts), the mode's state
+    and its gradient sync.
+
+    Example::
+
+        ctx, buckets, sync = wire_gradients(mode, fm, mesh, device, geometry, params,
+                                            25 * 2**20, native_mean(group, device))
+    """
+    spec = ReduceSpec.of(mesh.size, fm.dtype, native, prefer_pre=mode.divides_first)
+    trainable = tuple(i for i, s in enumerate(fm.layout.slots) if s.requires_grad)
+    ctx = Context(fm, mesh, device, geometry, params, trainable, spec)
+    cuts = mode.bucket_cuts(ctx)
+    buckets = plan_buckets(fm.layout, bucket_bytes, total=geometry.total, cuts=cuts)
+    mode.setup(ctx, buckets)
+    return ctx, buckets, mode.grad_sync(ctx, buckets)

@@ -16,10 +16,9 @@ from .._flat.geometry import Geometry
 from .._flat.module import FlatParamModule
 from .._log import get_logger
 from .._stepped import allow, forbid, held_state_bytes
-from .buckets import Bucket, plan_buckets
-from .comm import Mesh1D, ReduceSpec
+from .comm import Mesh1D
 from .full import FullyShard
-from .mode import Context, Mode, Segment
+from .mode import Mode, Segment, wire_gradients
 from .optim import GroupRule
 from .optim import param_groups as group_params
 from .replicated import Replicated
@@ -148,7 +147,6 @@ class DistributedTrainer:
         self._coordinator = (
             Coordinator(token, self.rank, self.world_size) if self.world_size > 1 else None
         )
-        self._trainable = tuple(i for i, s in enumerate(layout.slots) if s.requires_grad)
         if self._mode.sharded:  # a plain optimizer would update unreduced or absent gradients
             forbid(
                 self._params,
@@ -158,32 +156,20 @@ class DistributedTrainer:
                 "the result; build it with trainer.make_optimizer(torch.optim.AdamW, lr=...) "
                 "and call trainer.step()",
             )
-        # The division policy, once: NCCL averages natively (ReduceOp.AVG, no extra pass);
-        # elsewhere float16 and the replicated mode scale each bucket as it launches, the
-        # sharded modes divide their part after, in the master dtype (ReduceSpec.of).
-        self._mean_op = native_mean(self._group, self.device)
-        spec = ReduceSpec.of(
-            self.world_size, fm.dtype, self._mean_op, prefer_pre=self._mode.divides_first
-        )
-        self._ctx = Context(
-            fm=fm,
-            mesh=self._mesh,
-            device=self.device,
-            geometry=self._geometry,
-            params=self._params,
-            trainable=self._trainable,
-            spec=spec,
-        )
-        self._buckets: tuple[Bucket, ...] = plan_buckets(
-            layout,
+        self._mean_op = native_mean(self._group, self.device)  # ReduceOp.AVG on NCCL
+        self._ctx, self._buckets, self._reducer = wire_gradients(
+            self._mode,
+            fm,
+            self._mesh,
+            self.device,
+            self._geometry,
+            self._params,
             bucket_mb * 2**20,
-            total=self.padded_numel,
-            cuts=self._mode.bucket_cuts(self._ctx),
+            self._mean_op,
         )
-        self._mode.setup(self._ctx, self._buckets)
+        self._trainable = self._ctx.trainable
         self._optimizer: torch.optim.Optimizer | None = None
         self.group_names: list[list[str]] = []  # per param group of make_optimizer's optimizer
-        self._reducer = self._mode.grad_sync(self._ctx, self._buckets)
         self.stats = self._reducer.stats
         logger.info(
             "DistributedTrainer: rank %d of %d on %s, %d parameters in %d %s(s)",
