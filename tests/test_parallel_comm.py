@@ -91,7 +91,7 @@ class ReduceThenBroadcast:
                 for f in ready.value():
                     f.value()
                 work = dist.broadcast(view, self.root, group=self.second, async_op=True)
-            except Exception as e:  # noqa: BLE001  (handed to whoever waits on the result)
+            except Exception as e:  # handed to whoever waits on the result
                 result.set_exception(e)
                 return
             main = threading.current_thread() is threading.main_thread()
@@ -109,7 +109,7 @@ def _deliver(result: Future[torch.Tensor]):  # type: ignore[no-untyped-def]
     def deliver(done: Future[torch.Tensor]) -> None:
         try:
             result.set_result(done.value())
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             result.set_exception(e)
 
     return deliver
