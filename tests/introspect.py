@@ -37,8 +37,10 @@ __all__ = [
     "mode_of",
     "own_groups",
     "record_unit_mode_calls",
+    "reducer_of",
     "release_all",
     "replicated_grad_store",
+    "replicated_with_comm",
     "reset_peak_memory",
     "slice_range",
     "stripe_ranges",
@@ -269,15 +271,46 @@ def own_groups(trainer: DistributedTrainer) -> tuple[dist.ProcessGroup, ...]:
 
 
 # -- the bucket modes --------------------------------------------------------------------------
+@contextlib.contextmanager
+def replicated_with_comm(comm_type: type) -> Iterator[None]:
+    """Trainers built inside the block with ``shard=False`` reduce their buckets through
+    ``comm_type`` (a :class:`~torchshard._parallel.comm.BucketComm`), e.g. a test-only one.
+
+    Example::
+
+        with replicated_with_comm(ReduceThenBroadcast):
+            trainer = DistributedTrainer(fm)
+    """
+    from torchshard._parallel import trainer as trainer_module
+    from torchshard._parallel.replicated import Replicated
+
+    pick = trainer_module._pick_mode
+    trainer_module._pick_mode = lambda *_: (Replicated(comm=comm_type), False)
+    try:
+        yield
+    finally:
+        trainer_module._pick_mode = pick
+
+
+def reducer_of(trainer: DistributedTrainer) -> Any:
+    """The trainer's gradient sync (the bucket reducer, or the fully sharded mode's).
+
+    Example::
+
+        assert isinstance(reducer_of(trainer).comm, AllReduce)
+    """
+    return trainer._reducer
+
+
 def replicated_grad_store(trainer: DistributedTrainer) -> torch.Tensor | None:
-    """The replicated mode's reduction buffer: [used-parameter mask | padding | flat gradient]
-    (``None`` when no mask is needed).
+    """The bucket reducer's reduction buffer: [used-parameter mask | padding | flat gradient]
+    (``None`` when no mask rides in a bucket).
 
     Example::
 
         mask = replicated_grad_store(trainer).numel() - fm.flat_grad.numel()
     """
-    return mode_of(trainer)._store
+    return reducer_of(trainer)._store
 
 
 def master_slice(trainer: DistributedTrainer) -> torch.Tensor | None:

@@ -140,6 +140,11 @@ class _Done:
     def wait(self) -> bool:
         return True
 
+    def get_future(self) -> torch.futures.Future:
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(None)
+        return done
+
 
 def _emulate_avg(avg_calls: list[int]) -> None:
     """gloo has no ReduceOp.AVG: stand in for it (sum, then divide) and count its uses."""

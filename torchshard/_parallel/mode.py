@@ -1,97 +1,70 @@
-"""The seam between the trainer's mode-free core and a parallel mode.
+"""A parallel mode: one object behind the seam's three protocols (:mod:`.seam`).
 
-The core (``DistributedTrainer``) binds the buffers, checks that every rank built
-the same model, launches gradient buckets in the same order on every rank, owns
-the guards, the stats and the public methods. A :class:`Mode` owns what differs:
-the collective that reduces a bucket, how the mean is finished, what the
-optimizer updates, and what happens after its step. ``shard=`` picks a mode once,
-at construction (:func:`pick_mode`); adding a mode is adding a file and a line there.
+The core (``DistributedTrainer``) plans, checks that every rank built the same model,
+binds, broadcasts, launches gradient buckets in the same order on every rank, and owns
+the guards, the stats and the public methods. A :class:`Mode` owns what differs: where
+the weights live (:class:`~.seam.Storage`: one flat buffer for the bucket modes), how a
+bucket travels (its comm, :mod:`.comm`), how the mean is finished and what the optimizer
+updates (:class:`~.seam.UpdateShard`). ``shard=`` picks a mode once, at construction
+(``trainer._pick_mode``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .._flat.geometry import Geometry
 from .._flat.module import FlatParamModule
-from .buckets import Bucket
+from .buckets import Bucket, plan_buckets
+from .comm import AllReduce, BucketComm, Mesh1D, ReduceSpec
+from .reducer import BucketReducer, mask_room
+from .seam import Context, GradSync, Segment
+from .setup import bind_buffers
 from .shards import LocalShards
 from .units import Unit
 
-__all__ = ["Context", "Mode", "Segment"]
-
-Segment = tuple[int, int, int, torch.Tensor]
-"""``(slot, start, end, tensor)``: a tensor the optimizer updates, and its flat range."""
+__all__ = ["Context", "Mode", "Segment", "summed_norm", "wire_gradients"]
 
 
-@dataclass(frozen=True)
-class Context:
-    """What a mode may use of the trainer: the module, the group and the buffer's geometry."""
+def summed_norm(local: torch.Tensor, norm_type: float, mesh: Mesh1D) -> torch.Tensor:
+    """The ``norm_type`` norm over every rank's part, from this rank's ``local`` norm.
 
-    fm: FlatParamModule
-    group: dist.ProcessGroup | None
-    rank: int
-    world_size: int
-    device: torch.device
-    geometry: Geometry
-    params: tuple[torch.nn.Parameter, ...]
-    """The module's parameters (views of the flat buffer), by slot."""
-    trainable: tuple[int, ...]
-    """Slot indices of the parameters that require grad."""
-    divide_first: bool
-    """Scale each bucket by ``1/world_size`` before reducing it (float16, where a sum over
-    ranks would overflow, or a mode that prefers it; never with ``mean_op``)."""
-    mean_op: dist.ReduceOp | None = None
-    """``ReduceOp.AVG`` when the backend averages natively (NCCL): no division pass after."""
+    Example::
 
-    @property
-    def divides_after(self) -> bool:
-        """The reduced gradient is a sum that the mode must still divide by the world size."""
-        return self.world_size > 1 and not self.divide_first and self.mean_op is None
-
-    def global_rank(self, rank: int) -> int:
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
-
-    @property
-    def flat(self) -> torch.Tensor:
-        assert self.fm.flat_param is not None
-        return self.fm.flat_param
-
-    @property
-    def grad(self) -> torch.Tensor:
-        assert self.fm.flat_grad is not None
-        return self.fm.flat_grad
+        total = summed_norm(torch.linalg.vector_norm(my_part), 2.0, ctx.mesh)
+    """
+    if mesh.size == 1:
+        return local
+    if norm_type == float("inf"):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=mesh.group)
+        return local
+    power = local.pow(norm_type)
+    dist.all_reduce(power, group=mesh.group)
+    return power.pow(1.0 / norm_type)
 
 
 class Mode:
     """A parallel mode. The core calls these, in this order:
 
-    1. ``pads`` and ``mask_elements`` size the buffers; ``bind(store, k)`` gets them.
-    2. ``bucket_cuts`` adds bucket boundaries; ``setup(ctx, buckets)`` builds the mode's state.
-    3. Per step: ``launch`` once per bucket, in bucket order (during backward); then
-       ``sent_mask`` and ``finish`` in ``average_gradients``; ``attach_grads``;
-       ``local_grad`` for ``clip_grad_norm_``; ``after_step`` after the optimizer's step.
+    1. ``prepare``, ``fingerprint`` (compared across ranks), ``adopt`` (bind, broadcast).
+    2. ``bucket_cuts`` adds bucket boundaries; ``setup(ctx, buckets)`` builds the mode's
+       state; ``grad_sync(ctx, buckets)`` gives the trainer its gradient sync.
+    3. Per step, from the bucket reducer: the comm's ``launch`` once per bucket, in bucket
+       order (during backward); ``finish`` and ``attach_grads`` in ``average_gradients``;
+       then ``local_grad`` and ``norm`` for ``clip_grad_norm_``; ``after_step``.
     """
 
     sharded: bool = False
-    """Optimizer state for this rank's slice only (``trainer.shard``)."""
+    """Optimizer state for this rank's part only (``trainer.shard``); the gradient it
+    updates is this rank's part too, so :meth:`norm` sums over the ranks."""
     pads: bool = False
     """The buffer is padded so that every rank's slice has the same length."""
-    norm_is_partial: bool = False
-    """``local_grad`` is this rank's part only: the norm is summed across ranks."""
-    owns_buffers: bool = False
-    """The mode binds the module itself (:meth:`prepare`, :meth:`adopt`) instead of one flat
-    buffer, and reduces through its own reducer (:meth:`own_reducer`)."""
     whole_weights: bool = True
     """Every rank holds every weight (``broadcast`` and ``all_reduce_parameters`` apply)."""
-    label: str = ""
-    """What ``trainer.shard`` reports when it is not a plain bool."""
     reduces_by: str = "bucket"
     """What one reduction covers, for the log: ``stats.buckets`` counts these."""
     bytes_gathered: int = 0
@@ -101,13 +74,25 @@ class Mode:
     peak_transient: int = 0
     """The most transient bytes held at once since construction or :meth:`reset_peak`."""
     divides_first: bool = False
-    """Without a native average, scale each bucket by ``1/world_size`` as it launches
-    (DDP's order: the bucket is warm, the pass overlaps backward, none is left after)."""
+    """The mode's preference for the division policy (:meth:`ReduceSpec.of`): without a
+    native average, scale each bucket by ``1/world_size`` as it launches (DDP's order: the
+    bucket is warm, the pass overlaps backward, none is left after)."""
+    comm_type: type[BucketComm] = AllReduce
+    """How a bucket travels (built over the mesh by :meth:`make_comm`)."""
+    _fresh: bool = True  # prepare(): the module was not bound yet, the gradient gets mask room
+    _grad_store: torch.Tensor | None = None  # adopt(): [mask room | flat gradient], if any
 
-    # -- a mode that binds the module itself (owns_buffers) -----------------------------------
+    # -- where the weights live (Storage): one flat buffer ------------------------------------
     def prepare(self, fm: FlatParamModule) -> None:
         """Plan from the module alone, before the ranks compare models (fingerprint)."""
+        self._fresh = not fm.is_bound
 
+    def fingerprint(self) -> str:
+        """Compared across ranks before binding: ranks must agree on the buffers' shape (a
+        bound module keeps its gradient buffer, which has no room for the mask)."""
+        return "m" if self._fresh and self.comm_type.fuses_mask else "-"
+
+    @torch.no_grad()
     def adopt(
         self,
         fm: FlatParamModule,
@@ -116,12 +101,16 @@ class Mode:
         src: int,
         init_fn: Callable[[torch.nn.Module], None] | None,
     ) -> tuple[torch.nn.Parameter, ...]:
-        """Bind ``fm`` to the mode's own storage, weights as ``src`` holds them; the params."""
-        raise NotImplementedError
-
-    def own_reducer(self) -> Any:
-        """The reducer the trainer uses instead of the bucket reducer (``None``: that one)."""
-        return None
+        """Bind ``fm`` to one flat buffer and one flat gradient on ``device`` (initializing a
+        meta-built model), weights broadcast from ``src``; the parameters by slot."""
+        mesh = Mesh1D.of(group)
+        n = Geometry.of(fm.layout, mesh.size, pad=self.pads).total
+        fuse = self._fresh and mesh.size > 1 and self.comm_type.fuses_mask
+        self._grad_store = bind_buffers(fm, n, device, init_fn, mask_room(fm.layout) if fuse else 0)
+        if mesh.size > 1:
+            assert fm.flat_param is not None
+            dist.broadcast(fm.flat_param, mesh.global_rank(src), group=group)
+        return tuple(p for _, p in fm.named_flat_views())
 
     def own_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """Process groups the mode created, destroyed in this order when the trainer closes."""
@@ -146,34 +135,25 @@ class Mode:
             "transient": 0,
         }
 
-    # -- buffers and buckets ----------------------------------------------------------------------
-    def mask_elements(self, n_trainable: int, world_size: int, align: int) -> int:
-        """Elements to reserve just before the flat gradient for the used-parameter mask."""
-        return 0
-
-    def bind(self, store: torch.Tensor, k: int, n_trainable: int) -> None:
-        """``store`` is ``[mask (k elements) | gradient]``, when the core allocated it."""
-
+    # -- how gradients become the mean (GradSync) ----------------------------------------------
     def bucket_cuts(self, ctx: Context) -> tuple[int, ...]:
         return ()
 
     def setup(self, ctx: Context, buckets: tuple[Bucket, ...]) -> None:
         """Build the mode's state, once the buffers hold the broadcast weights."""
 
-    def launch(self, ctx: Context, bucket: Bucket, view: torch.Tensor) -> dist.Work:
-        """Start reducing ``view`` (the bucket's gradient, pre-divided if ``divide_first``).
+    def make_comm(self, ctx: Context) -> BucketComm:
+        """How this mode's buckets travel, and where they land."""
+        return self.comm_type(ctx.mesh)  # type: ignore[call-arg]
 
-        Called during backward, on the autograd thread: no host synchronization here.
-        """
-        raise NotImplementedError
+    def grad_sync(self, ctx: Context, buckets: tuple[Bucket, ...]) -> GradSync:
+        """The trainer's gradient sync: the bucket reducer over :meth:`make_comm`."""
+        return BucketReducer(ctx, self, buckets, self.make_comm(ctx), self._grad_store)
 
-    def sent_mask(self) -> torch.Tensor | None:
-        """The used-parameter mask if it rode in a bucket this step (else the core sends one)."""
-        return None
-
+    # -- what the optimizer updates (UpdateShard) ----------------------------------------------
     def finish(self, ctx: Context) -> None:
         """After every bucket's reduction completed: make the gradient the mean."""
-        raise NotImplementedError
+        ctx.spec.scale_after(ctx.grad)
 
     def optimizer_tensors(self, ctx: Context) -> list[Segment]:
         """What the optimizer updates, one entry per trainable slot (or piece of one)."""
@@ -187,6 +167,13 @@ class Mode:
         """The gradient ``clip_grad_norm_`` measures and scales on this rank."""
         return ctx.fm.flat_grad
 
+    def norm(self, ctx: Context, grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+        """The total ``norm_type`` norm of the gradient, from this rank's ``grad``
+        (:meth:`local_grad`): summed over the ranks when each holds a part (``sharded``)."""
+        low = grad.dtype in (torch.bfloat16, torch.float16)  # accumulate those in fp32
+        local = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32 if low else None)
+        return summed_norm(local, norm_type, ctx.mesh) if self.sharded else local
+
     def after_step(self, ctx: Context) -> None:
         """After ``optimizer.step()``."""
 
@@ -195,10 +182,6 @@ class Mode:
 
     def gather(self, ctx: Context) -> None:
         """Make every rank's weights whole again after the optimizer changed its part."""
-
-    def fingerprint(self) -> str:
-        """Compared across ranks at construction: ranks must agree on the buffers' shape."""
-        return "-"
 
     def local_shards(self, ctx: Context) -> LocalShards | None:
         """What this rank's optimizer updates of the flat buffer (``None``: whole weights)."""
@@ -215,3 +198,32 @@ class Mode:
 
     def master_bytes(self) -> int:
         return 0
+
+
+def wire_gradients(
+    mode: Mode,
+    fm: FlatParamModule,
+    mesh: Mesh1D,
+    device: torch.device,
+    geometry: Geometry,
+    params: tuple[torch.nn.Parameter, ...],
+    bucket_bytes: float,
+    native: dist.ReduceOp.RedOpType | None,
+) -> tuple[Context, tuple[Bucket, ...], GradSync]:
+    """The gradient path of a trainer whose module ``mode`` adopted (``params``, by slot):
+    the division policy, once (:meth:`ReduceSpec.of`: ``native`` is the backend's averaging
+    op, else ``None``), the context, the buckets (with the mode's cuts), the mode's state
+    and its gradient sync.
+
+    Example::
+
+        ctx, buckets, sync = wire_gradients(mode, fm, mesh, device, geometry, params,
+                                            25 * 2**20, native_mean(group, device))
+    """
+    spec = ReduceSpec.of(mesh.size, fm.dtype, native, prefer_pre=mode.divides_first)
+    trainable = tuple(i for i, s in enumerate(fm.layout.slots) if s.requires_grad)
+    ctx = Context(fm, mesh, device, geometry, params, trainable, spec)
+    cuts = mode.bucket_cuts(ctx)
+    buckets = plan_buckets(fm.layout, bucket_bytes, total=geometry.total, cuts=cuts)
+    mode.setup(ctx, buckets)
+    return ctx, buckets, mode.grad_sync(ctx, buckets)

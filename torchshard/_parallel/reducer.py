@@ -1,59 +1,50 @@
-"""The gradient reducer: bucket launches during backward, in the same order on every rank.
+"""The bucket reducer: bucket launches during backward, in the same order on every rank.
 
-Mode-free: each bucket's collective is the mode's (:meth:`Mode.launch`); the
-reducer decides *when*. A bucket starts as soon as every parameter in it has its
-gradient, but only after every bucket before it has started: a collective issued
-out of order on one rank deadlocks (NCCL) or mixes up buckets (gloo).
+Mode-free: how a bucket travels is the comm's (:class:`BucketComm`); the reducer
+decides *when*. A bucket starts as soon as every parameter in it has its gradient,
+but only after every bucket before it has started: a collective issued out of
+order on one rank deadlocks (NCCL) or mixes up buckets (gloo). Each launch returns
+a future; :meth:`BucketReducer.finish` waits on them. The reducer also carries the
+used-parameter mask: in the last bucket's buffer when the comm allows it, else in
+one small all-reduce of its own.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.futures import Future
 
 from .._errors import TorchShardError
+from .._flat.layout import FlatLayout
 from .buckets import Bucket
-from .mode import Context, Mode
+from .comm import BucketComm, settled
+from .seam import CommStats, Context, UpdateShard
 
-__all__ = ["CommStats", "Reducer"]
+__all__ = ["BucketReducer", "CommStats", "mask_room"]
 
 
-@dataclass
-class CommStats:
-    """Counters of the gradient communication (for logs and tests).
+def mask_room(layout: FlatLayout) -> int:
+    """Elements to keep just before the flat gradient for the used-parameter mask to ride
+    in the bucket at offset 0: one per trainable parameter, rounded up to the alignment.
 
     Example::
 
-        s = trainer.stats
-        print(f"{s.launched_during_backward}/{s.buckets} buckets started in backward, "
-              f"{1e3 * s.wait_seconds / s.steps:.1f} ms/step waiting")
+        store = torch.zeros(mask_room(fm.layout) + n)   # [mask | padding | gradient]
     """
-
-    steps: int = 0
-    """``average_gradients()`` calls so far."""
-    buckets: int = 0
-    """Buckets that carry gradients."""
-    launched_during_backward: int = 0
-    """Buckets of the last step whose all-reduce started inside backward (from a gradient
-    hook). Not a measure of overlap: with the whole model compiled, backward is one graph
-    and every hook runs after its last kernel, yet each launch still counts here."""
-    wait_seconds: float = 0.0
-    """Total time ``average_gradients()`` spent waiting for communication (host time:
-    meaningful on gloo; on NCCL ``wait()`` only orders the streams and returns at once)."""
-    bytes_reduced: int = 0
-    """Bytes of gradient buffers handed to reductions (all-reduce, reduce, reduce-scatter),
-    counted at their full size, since the trainer was built."""
-    bytes_gathered: int = 0
-    """Bytes of weight buffers all-gathered (sharded: after each step; fully sharded: each
-    unit before its forward and again before its backward), at their full size."""
+    n = sum(s.requires_grad for s in layout.slots)
+    return -(-n // layout.align) * layout.align
 
 
-class Reducer:
+class BucketReducer:
     """Hears each trainable parameter's gradient (through the module's one hook per
-    parameter); launches buckets in order; finishes the mean.
+    parameter); launches buckets in order through ``comm``; finishes the mean with
+    ``update``.
+
+    ``store``: ``[mask room | flat gradient]`` (:func:`mask_room`), when the gradient was
+    allocated with room for the mask (``None``: the mask travels on its own).
 
     With every parameter used, a step makes no host synchronization: the
     used-parameter mask is filled on the device and read back only when this
@@ -61,8 +52,15 @@ class Reducer:
     ``find_unused_parameters=True``).
     """
 
-    def __init__(self, ctx: Context, mode: Mode, buckets: tuple[Bucket, ...]) -> None:
-        self.ctx, self.mode, self.buckets = ctx, mode, buckets
+    def __init__(
+        self,
+        ctx: Context,
+        update: UpdateShard,
+        buckets: tuple[Bucket, ...],
+        comm: BucketComm,
+        store: torch.Tensor | None = None,
+    ) -> None:
+        self.ctx, self.update, self.buckets, self.comm = ctx, update, buckets, comm
         self.slot_buckets: list[list[int]] = [[] for _ in ctx.fm.layout.slots]
         for b in buckets:
             for i in b.slots:
@@ -71,9 +69,13 @@ class Reducer:
         """False inside ``no_sync()``: gradients accumulate locally."""
         self.averaged = False
         """Whether the gradients are the mean since the last backward."""
-        self.works: list[dist.Work] = []
+        self.futures: list[Future[torch.Tensor]] = []
         self.stats = CommStats(buckets=sum(b.trainable > 0 for b in buckets))
-        # The mask's own all-reduce, for modes whose buckets cannot carry it: persistent,
+        fuse = store is not None and comm.fuses_mask
+        self._store = store if fuse else None
+        self._fused = store[: len(ctx.trainable)] if fuse and store is not None else None
+        self._sent = False
+        # The mask's own all-reduce, for comms whose buckets cannot carry it: persistent,
         # on the device, so filling it is a kernel and not a host-to-device copy.
         self._mask = torch.zeros(len(ctx.trainable), dtype=torch.int32, device=ctx.device)
         self._reset_step()
@@ -116,11 +118,27 @@ class Reducer:
                     grad[s.offset : s.end].zero_()
         if ctx.world_size > 1:
             view = grad[bucket.start : bucket.end]
-            if ctx.divide_first:
-                view.mul_(1.0 / ctx.world_size)  # DDP's: times the reciprocal, not a division
-            self.works.append(self.mode.launch(ctx, bucket, view))
             self.stats.bytes_reduced += view.numel() * view.element_size()
+            if self._store is not None and bucket.start == 0:
+                view = self._with_mask(bucket)
+            self.futures.append(self.comm.launch(view, ctx.spec, bucket))
         self.launched_in_backward += in_backward
+
+    def _with_mask(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket at 0 widened to ``[mask | padding | bucket]``. Buckets launch in order
+        and the one at 0 is the last: every parameter that gets a gradient this step has it
+        now, so the mask is final."""
+        assert self._store is not None and self._fused is not None
+        ctx = self.ctx
+        used = [ctx.params[i].grad is not None for i in ctx.trainable]
+        if all(used):  # always so when launched inside backward: a kernel, no host sync
+            self._fused.fill_(1)
+        else:  # from average_gradients(), which reads the mask back anyway
+            self._fused.copy_(torch.tensor(used, dtype=self._fused.dtype))
+        # Reduced with the bucket's spec: scaled, or averaged, each entry is a fraction, not
+        # a count; only "nonzero" (some rank used it) is ever read.
+        self._sent = True
+        return self._store[: self._store.numel() - ctx.grad.numel() + bucket.end]
 
     def finish(self) -> None:
         """Launch what backward did not, wait for everything, make the gradient the mean."""
@@ -133,29 +151,32 @@ class Reducer:
         if ctx.world_size > 1:
             # Which parameters have a gradient anywhere: in a bucket already, or in one
             # small all-reduce, always issued last so the order is the same on every rank.
-            mask = self.mode.sent_mask()
-            if mask is None:
+            if self._sent:
+                assert self._fused is not None
+                mask, self._sent = self._fused, False
+            else:
                 mask = self._mask
                 if everywhere:
                     mask.fill_(1)
                 else:
                     mask.copy_(torch.tensor(used, dtype=mask.dtype))
-                self.works.append(dist.all_reduce(mask, group=ctx.group, async_op=True))
+                work = dist.all_reduce(mask, group=ctx.group, async_op=True)
+                self.futures.append(settled(work, mask))
             t0 = time.perf_counter()
-            for work in self.works:
-                work.wait()  # on NCCL: the current stream waits, the host does not
+            for fut in self.futures:
+                fut.wait()  # on NCCL: the current stream waits, the host does not
             self.stats.wait_seconds += time.perf_counter() - t0
             if not everywhere:
                 used = [bool(n) for n in mask.tolist()]
-        self.mode.finish(ctx)
+        self.futures.clear()
+        self.update.finish(ctx)
         globally_used = dict(zip(ctx.trainable, used))
         for i in ctx.trainable:
             p = ctx.params[i]
             if globally_used[i] and p.grad is None:
                 s = ctx.fm.layout.slots[i]
                 p.grad = ctx.grad[s.offset : s.end].view(s.shape)
-        self.mode.attach_grads(ctx, globally_used)
-        self.works.clear()
+        self.update.attach_grads(ctx, globally_used)
         self.stats.steps += 1
         self.stats.launched_during_backward = self.launched_in_backward
         self.averaged = True
@@ -163,6 +184,6 @@ class Reducer:
 
     def close(self) -> None:
         self.ctx.fm._set_grad_listener(None)
-        for work in self.works:
-            work.wait()
-        self.works.clear()
+        for fut in self.futures:
+            fut.wait()
+        self.futures.clear()

@@ -17,7 +17,7 @@ from .._errors import RankMismatchError
 from .._flat.layout import FlatLayout
 from .._flat.module import FlatParamModule
 from .._flat.views import zero_gaps
-from .mode import Mode
+from .seam import Storage
 
 __all__ = [
     "assert_in_sync",
@@ -65,45 +65,49 @@ def native_mean(group: dist.ProcessGroup | None, device: torch.device) -> dist.R
 
 def bind_buffers(
     fm: FlatParamModule,
-    mode: Mode,
     n: int,
     device: torch.device,
-    world_size: int,
     init_fn: Callable[[torch.nn.Module], None] | None,
-) -> None:
+    room: int = 0,
+) -> torch.Tensor | None:
     """Bind ``fm`` to buffers of ``n`` elements on ``device`` (initializing a meta-built model),
-    or keep its buffers when they are already there and large enough."""
+    or keep its buffers when they are already there and large enough.
+
+    ``room``: elements to keep just before a newly allocated gradient (the reducer's
+    used-parameter mask, which then rides in the bucket at 0). Returns that store,
+    ``[room | gradient]``, when it has room, else ``None``.
+
+    Example::
+
+        store = bind_buffers(fm, geometry.total, device, None, room=mask_room(fm.layout))
+    """
     if fm.is_bound:
         if fm.device != device:
             fm.to(device)
         flat, grad = fm.flat_param, fm.flat_grad
         assert flat is not None
         if flat.numel() >= n and (grad is None or grad.numel() >= n):
-            return
+            return None
         # Too small for the padded slices: move into buffers that are not.
         big = flat if flat.numel() >= n else torch.zeros(n, dtype=fm.dtype, device=device)
         fm.bind(big, torch.zeros(n, dtype=fm.dtype, device=device))
-        return
+        return None
     was_meta = any(p.is_meta for p in fm.module.parameters())
     flat = torch.empty(n, dtype=fm.dtype, device=device)
     # alignment gaps and padding: all-gathered and broadcast, so defined (and a buffer
     # that is bitwise the same before a save and after its load)
     zero_gaps(flat, fm.layout, frozen=False)
     flat[fm.numel :].zero_()
-    # A mode may keep a few elements just before the gradient (replicated: the
-    # used-parameter mask, which then rides in the all-reduce of the bucket at 0).
-    n_mask = sum(s.requires_grad for s in fm.layout.slots)
-    k = mode.mask_elements(n_mask, world_size, fm.layout.align)
-    store = torch.zeros(k + n, dtype=fm.dtype, device=device)
-    fm.bind(flat, store[k:])
-    mode.bind(store, k, n_mask)
+    store = torch.zeros(room + n, dtype=fm.dtype, device=device)
+    fm.bind(flat, store[room:])
     if was_meta:
         fm.init_weights(init_fn)
+    return store if room else None
 
 
 def check_same_model(
     fm: FlatParamModule,
-    mode: Mode,
+    mode: Storage,
     group: dist.ProcessGroup | None,
     device: torch.device,
     src: int,

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .buckets import Bucket
+from .comm import BucketComm, ReduceToOwner
 from .mode import Context, Mode, Segment
 from .shards import LocalShards
 
@@ -24,11 +25,10 @@ class ShardedOptimizer(Mode):
 
     sharded = True
     pads = True
-    norm_is_partial = True
+    comm_type = ReduceToOwner
 
     def __init__(self, master_dtype: torch.dtype = torch.float32) -> None:
         self.master_dtype = master_dtype
-        self._owner: list[int] = []
         self._master: torch.Tensor | None = None
         self._master_grad: torch.Tensor | None = None
         self._pieces: list[tuple[int, int, int, torch.nn.Parameter]] = []
@@ -38,16 +38,15 @@ class ShardedOptimizer(Mode):
         return tuple(a for a, _ in ctx.geometry.ranges())
 
     def setup(self, ctx: Context, buckets: tuple[Bucket, ...]) -> None:
-        self._owner = [ctx.geometry.owner(b.start) for b in buckets]
         if ctx.fm.dtype != self.master_dtype:
             s0, e0 = ctx.geometry.range(ctx.rank)
             self._master = ctx.flat[s0:e0].to(self.master_dtype, copy=True)
             self._master_grad = torch.zeros_like(self._master)
 
-    def launch(self, ctx: Context, bucket: Bucket, view: torch.Tensor) -> dist.Work:
-        dst = ctx.global_rank(self._owner[bucket.index])
-        op = ctx.mean_op or dist.ReduceOp.SUM
-        return dist.reduce(view, dst, op=op, group=ctx.group, async_op=True)
+    def make_comm(self, ctx: Context) -> BucketComm:
+        """Each bucket reduced to the owner of its slice (a bucket never crosses a slice)."""
+        geometry = ctx.geometry
+        return ReduceToOwner(ctx.mesh, lambda b: geometry.owner(b.start))
 
     def finish(self, ctx: Context) -> None:
         s0, e0 = ctx.geometry.range(ctx.rank)
@@ -57,8 +56,7 @@ class ShardedOptimizer(Mode):
             # is divided here, in the master dtype
             self._master_grad.copy_(mine)
             mine = self._master_grad
-        if ctx.divides_after:
-            mine.div_(ctx.world_size)
+        ctx.spec.scale_after(mine)
 
     # -- the rank's slice -----------------------------------------------------------------
     def _slice(self, ctx: Context, t: torch.Tensor, a: int, b: int) -> torch.Tensor:

@@ -16,11 +16,13 @@ from .._flat.geometry import Geometry
 from .._flat.module import FlatParamModule
 from .._log import get_logger
 from .._stepped import allow, forbid, held_state_bytes
-from .buckets import Bucket, plan_buckets
-from .mode import Context, Mode, Segment
+from .comm import Mesh1D
+from .mode import Mode, Segment, wire_gradients
 from .modes import Choice, choose, entry_for
-from .reducer import CommStats, Reducer
-from .setup import assert_in_sync, bind_buffers, check_same_model, native_mean, pick_device
+from .optim import GroupRule
+from .optim import param_groups as group_params
+from .seam import CommStats
+from .setup import assert_in_sync, check_same_model, native_mean, pick_device
 from .shards import LocalShards, MemoryStats
 from .units import Unit, UnitSpec
 
@@ -119,8 +121,8 @@ class DistributedTrainer:
         if process_group is None:
             init_distributed()
         self._group = process_group
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
+        self._mesh = Mesh1D.of(process_group)
+        self.rank, self.world_size = self._mesh.rank, self._mesh.size
         if not 0 <= src < self.world_size:
             raise TorchShardError(f"src: expected a rank in [0, {self.world_size}), got {src}")
         self.module = fm
@@ -133,26 +135,18 @@ class DistributedTrainer:
         self.padded_numel = self._geometry.total
         self._closed = False
         track(self)  # closed at interpreter exit if nobody closes it before
-        if self._mode.owns_buffers:
-            # the model (and the units) are checked before the first collective that
-            # depends on them
-            self._mode.prepare(fm)
-            token = check_same_model(fm, self._mode, self._group, self.device, src)
-            self._params = self._mode.adopt(fm, self.device, self._group, src, init_fn)
-            self._flat = None
-            with fm.meta_buffers.preserved():  # src's zeros are no value: still unwritten
-                self._broadcast_buffers(src)
-        else:
-            bind_buffers(fm, self._mode, self.padded_numel, self.device, self.world_size, init_fn)
-            self._flat = fm.flat_param
-            token = check_same_model(fm, self._mode, self._group, self.device, src)
-            with fm.meta_buffers.preserved():  # src's zeros are no value: still unwritten
-                self.broadcast(src)
-            self._params = tuple(p for _, p in fm.named_flat_views())
+        # One program for every mode: plan from the module alone, check that every rank
+        # built the same model (before the first collective that depends on it and before
+        # anything is allocated), bind (initializing meta weights), broadcast from src.
+        self._mode.prepare(fm)
+        token = check_same_model(fm, self._mode, self._group, self.device, src)
+        self._params = self._mode.adopt(fm, self.device, self._group, src, init_fn)
+        self._flat = fm.flat_param
+        with fm.meta_buffers.preserved():  # src's zeros are no value: still unwritten
+            self._broadcast_buffers(src)
         self._coordinator = (
             Coordinator(token, self.rank, self.world_size) if self.world_size > 1 else None
         )
-        self._trainable = tuple(i for i, s in enumerate(layout.slots) if s.requires_grad)
         if self._mode.sharded:  # a plain optimizer would update unreduced or absent gradients
             forbid(
                 self._params,
@@ -162,37 +156,20 @@ class DistributedTrainer:
                 "the result; build it with trainer.make_optimizer(torch.optim.AdamW, lr=...) "
                 "and call trainer.step()",
             )
-        # NCCL averages natively (ReduceOp.AVG: a pre-multiplied sum, no extra pass).
-        # Elsewhere a bucket is scaled by 1/world as it launches: float16 must be (it tops
-        # out at 65504: a sum over ranks overflows where the mean would not), and the
-        # replicated mode does so always, as DDP does (the bucket is warm, the pass
-        # overlaps backward). The sharded mode divides its slice after, in the master dtype.
-        self._mean_op = native_mean(self._group, self.device)
-        self._divide_first = self._mean_op is None and (
-            fm.dtype == torch.float16 or self._mode.divides_first
-        )
-        self._ctx = Context(
-            fm=fm,
-            group=self._group,
-            rank=self.rank,
-            world_size=self.world_size,
-            device=self.device,
-            geometry=self._geometry,
-            params=self._params,
-            trainable=self._trainable,
-            divide_first=self._divide_first,
-            mean_op=self._mean_op,
-        )
-        self._buckets: tuple[Bucket, ...] = plan_buckets(
-            layout,
+        self._mean_op = native_mean(self._group, self.device)  # ReduceOp.AVG on NCCL
+        self._ctx, self._buckets, self._reducer = wire_gradients(
+            self._mode,
+            fm,
+            self._mesh,
+            self.device,
+            self._geometry,
+            self._params,
             bucket_mb * 2**20,
-            total=self.padded_numel,
-            cuts=self._mode.bucket_cuts(self._ctx),
+            self._mean_op,
         )
-        self._mode.setup(self._ctx, self._buckets)
+        self._trainable = self._ctx.trainable
         self._optimizer: torch.optim.Optimizer | None = None
         self.group_names: list[list[str]] = []  # per param group of make_optimizer's optimizer
-        self._reducer = self._mode.own_reducer() or Reducer(self._ctx, self._mode, self._buckets)
         self.stats = self._reducer.stats
         logger.info(
             "DistributedTrainer: rank %d of %d on %s, %d parameters in %d %s(s)",
@@ -260,13 +237,12 @@ class DistributedTrainer:
         flat = self.module.flat_param
         assert flat is not None
         # torch's broadcast takes a global rank; src is a rank of our group.
-        root = src if self._group is None else dist.get_global_rank(self._group, src)
-        dist.broadcast(flat, root, group=self._group)
+        dist.broadcast(flat, self._mesh.global_rank(src), group=self._group)
         self._broadcast_buffers(src)
 
     def _broadcast_buffers(self, src: int) -> None:
         if self.world_size > 1:
-            root = src if self._group is None else dist.get_global_rank(self._group, src)
+            root = self._mesh.global_rank(src)
             for b in self.module.module.buffers():
                 dist.broadcast(b, root, group=self._group)
 
@@ -338,19 +314,7 @@ class DistributedTrainer:
         grad = self._mode.local_grad(self._ctx)
         if grad is None:
             return torch.zeros((), device=self.device)
-        norm_type = float(norm_type)
-        low = grad.dtype in (torch.bfloat16, torch.float16)  # accumulate those in fp32
-        local = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32 if low else None)
-        if self._mode.norm_is_partial and self.world_size > 1:
-            if norm_type == float("inf"):
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._group)
-                total = local
-            else:
-                power = local.pow(norm_type)
-                dist.all_reduce(power, group=self._group)
-                total = power.pow(1.0 / norm_type)
-        else:
-            total = local
+        total = self._mode.norm(self._ctx, grad, float(norm_type))
         if error_if_nonfinite and not torch.isfinite(total):
             raise TorchShardError(
                 f"the total gradient norm is {total.item()}; set error_if_nonfinite=False to clip anyway"
@@ -364,7 +328,7 @@ class DistributedTrainer:
         self,
         optimizer_class: type[torch.optim.Optimizer],
         *,
-        groups: list[tuple[Callable[[str], bool], dict[str, Any]]] | None = None,
+        groups: list[GroupRule] | None = None,
         **defaults: Any,
     ) -> torch.optim.Optimizer:
         """Build an elementwise optimizer over what this rank updates.
@@ -390,28 +354,10 @@ class DistributedTrainer:
         self._check_open()
         if self._optimizer is not None:
             raise TorchShardError("make_optimizer: this trainer already has an optimizer")
-        rules = list(groups or [])
-        layout = self.module.layout
-
-        def group_of(i: int) -> int:
-            names = layout.slots[i].names
-            for g, (pred, _) in enumerate(rules):
-                if any(pred(n) for n in names):
-                    return g + 1
-            return 0
-
-        members: list[list[torch.Tensor]] = [[] for _ in range(len(rules) + 1)]
-        self.group_names = [[] for _ in range(len(rules) + 1)]
-        for i in self._trainable:
-            self.group_names[group_of(i)].append(layout.slots[i].name)
-        for i, _, _, tensor in self._mode.optimizer_tensors(self._ctx):
-            members[group_of(i)].append(tensor)
-        if not any(members):
-            # torch refuses an optimizer without parameters; a rank whose slice
-            # holds only padding steps an empty tensor instead.
-            members[0].append(torch.nn.Parameter(torch.empty(0, device=self.device)))
-        param_groups = [{"params": members[0]}]
-        param_groups += [{"params": m, **over} for m, (_, over) in zip(members[1:], rules)]
+        segments = self._mode.optimizer_tensors(self._ctx)
+        param_groups, self.group_names = group_params(
+            self.module.layout, self._trainable, segments, list(groups or []), self.device
+        )
         self._optimizer = optimizer_class(param_groups, **defaults)
         return self._optimizer
 

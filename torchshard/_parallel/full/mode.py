@@ -59,10 +59,7 @@ class FullyShard(Mode):
     """
 
     sharded = True
-    norm_is_partial = True
-    owns_buffers = True
     whole_weights = False
-    label = "full"
     reduces_by = "unit"
     native_gloo: bool = False
     """On gloo, gather and reduce with gloo's all-gather and reduce-scatter instead of a
@@ -133,11 +130,6 @@ class FullyShard(Mode):
     def grad_sync(self, ctx: Context, buckets: tuple[Bucket, ...]) -> UnitGradReducer:
         """How gradients become the mean: the units' reduce-scatters into the stripes (one
         object per trainer, the same on every call)."""
-        assert self.grads is not None
-        return self.grads
-
-    def own_reducer(self) -> UnitGradReducer:
-        """The trainer's reducer (until the trainer calls :meth:`grad_sync`)."""
         assert self.grads is not None
         return self.grads
 

@@ -1,0 +1,192 @@
+"""How a gradient bucket travels: the mesh it travels over, the division policy, the comm.
+
+Where a reduced bucket goes (every rank, or the owner of its range) and how its bytes
+travel are one small object, a :class:`BucketComm`, apart from the reducer that decides
+*when* a bucket launches. A launch returns a future, as a DDP comm hook does, so a
+two-stage reduction (reduce-scatter then all-reduce across replicas, PowerSGD's P then
+Q, reduce to a root then broadcast) chains its second stage with ``Future.then`` while
+backward still runs, instead of serializing it at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from .buckets import Bucket
+
+__all__ = ["AllReduce", "BucketComm", "Mesh1D", "ReduceSpec", "ReduceToOwner", "settled"]
+
+
+@dataclass(frozen=True)
+class Mesh1D:
+    """The ranks a trainer communicates over: one process group (a 1-D mesh).
+
+    Example::
+
+        mesh = Mesh1D.of(None)                  # the default group
+        dist.broadcast(t, mesh.global_rank(0), group=mesh.group)
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    """This process's rank in ``group``."""
+    size: int
+    global_ranks: tuple[int, ...]
+    """The global rank of each rank of ``group``, by group rank."""
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup | None) -> Mesh1D:
+        """The mesh over ``group`` (``None``: the default group).
+
+        Example::
+
+            Mesh1D.of(dist.new_group([0, 1])).global_rank(1)   # 1
+        """
+        size = dist.get_world_size(group)
+        ranks = range(size) if group is None else dist.get_process_group_ranks(group)
+        return cls(group, dist.get_rank(group), size, tuple(ranks))
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank of ``rank`` of the group (torch's collectives name roots so).
+
+        Example::
+
+            mesh.global_rank(mesh.rank) == dist.get_rank()
+        """
+        return self.global_ranks[rank]
+
+
+@dataclass(frozen=True)
+class ReduceSpec:
+    """How a sum over ranks becomes the mean, decided once: ``op`` on the wire, each bucket
+    multiplied by ``pre`` before it travels, the reduced result divided by ``post`` after.
+
+    Example::
+
+        spec = ReduceSpec.of(4, torch.float32, None, prefer_pre=True)
+        spec   # ReduceSpec(op=SUM, pre=0.25, post=1.0): DDP's order
+    """
+
+    op: dist.ReduceOp.RedOpType
+    pre: float = 1.0
+    """Factor applied to a bucket before it travels (``1 / world``: DDP's, times the
+    reciprocal, not a division)."""
+    post: float = 1.0
+    """Divisor applied to the reduced sum where the mean is kept (``world``)."""
+
+    @classmethod
+    def of(
+        cls,
+        world_size: int,
+        dtype: torch.dtype,
+        native: dist.ReduceOp.RedOpType | None,
+        *,
+        prefer_pre: bool,
+    ) -> ReduceSpec:
+        """The spec for a group of ``world_size`` and buffers of ``dtype``.
+
+        ``native`` is the backend's averaging op (``ReduceOp.AVG`` on NCCL, else ``None``):
+        then no scaling pass at all. Otherwise float16 scales before (it tops out at 65504:
+        a sum over ranks overflows where the mean would not), and so does a mode that
+        prefers it (``prefer_pre``: the replicated mode, as DDP); the rest divide after.
+
+        Example::
+
+            ReduceSpec.of(2, torch.bfloat16, None, prefer_pre=False).post   # 2.0
+        """
+        if world_size == 1:
+            return cls(dist.ReduceOp.SUM)
+        if native is not None:
+            return cls(native)
+        if dtype == torch.float16 or prefer_pre:
+            return cls(dist.ReduceOp.SUM, pre=1.0 / world_size)
+        return cls(dist.ReduceOp.SUM, post=float(world_size))
+
+    def scale_before(self, t: torch.Tensor) -> None:
+        """Apply ``pre`` to ``t`` in place (nothing when it is 1)."""
+        if self.pre != 1.0:
+            t.mul_(self.pre)
+
+    def scale_after(self, t: torch.Tensor) -> None:
+        """Apply ``post`` to ``t`` in place (nothing when it is 1)."""
+        if self.post != 1.0:
+            t.div_(self.post)
+
+
+class BucketComm(Protocol):
+    """How one bucket travels and where it lands; the reducer calls :meth:`launch` once per
+    bucket, in bucket order, on every rank (during backward, on the autograd thread)."""
+
+    fuses_mask: ClassVar[bool]
+    """The used-parameter mask may ride in a bucket's buffer: the comm delivers the result
+    to every rank, losslessly (not a bf16 wire format, not a low-rank approximation)."""
+
+    def launch(self, view: torch.Tensor, spec: ReduceSpec, bucket: Bucket) -> Future[torch.Tensor]:
+        """Start reducing ``view`` (``bucket``'s gradient, in place) by ``spec``; the future
+        completes once ``view`` holds the result wherever this comm delivers it. No host
+        synchronization here."""
+        ...
+
+
+def settled(work: dist.Work, result: torch.Tensor) -> Future[torch.Tensor]:
+    """``work``'s future, completing with ``result`` (a failure of ``work`` propagates).
+
+    Example::
+
+        fut = settled(dist.all_reduce(t, async_op=True), t)
+        fut.wait() is t
+    """
+
+    def done(f: Future[object]) -> torch.Tensor:
+        f.value()  # raises what the collective raised
+        return result
+
+    return work.get_future().then(done)
+
+
+class AllReduce:
+    """Every rank gets the reduced bucket (DDP's default hook).
+
+    Example::
+
+        comm = AllReduce(Mesh1D.of(None))
+        comm.launch(grad[b.start : b.end], spec, b).wait()
+    """
+
+    fuses_mask: ClassVar[bool] = True
+
+    def __init__(self, mesh: Mesh1D) -> None:
+        self.mesh = mesh
+
+    def launch(self, view: torch.Tensor, spec: ReduceSpec, bucket: Bucket) -> Future[torch.Tensor]:
+        """All-reduce ``view`` over the mesh by ``spec``."""
+        spec.scale_before(view)
+        work = dist.all_reduce(view, op=spec.op, group=self.mesh.group, async_op=True)
+        return settled(work, view)
+
+
+class ReduceToOwner:
+    """Only the owner of a bucket's range gets the reduced bucket (ZeRO-2's reduction).
+
+    Example::
+
+        comm = ReduceToOwner(mesh, lambda b: geometry.owner(b.start))
+    """
+
+    fuses_mask: ClassVar[bool] = False  # the mask must reach every rank, not the owner only
+
+    def __init__(self, mesh: Mesh1D, owner: Callable[[Bucket], int]) -> None:
+        self.mesh, self.owner = mesh, owner
+
+    def launch(self, view: torch.Tensor, spec: ReduceSpec, bucket: Bucket) -> Future[torch.Tensor]:
+        """Reduce ``view`` by ``spec`` to the group rank ``owner(bucket)``."""
+        spec.scale_before(view)
+        dst = self.mesh.global_rank(self.owner(bucket))
+        work = dist.reduce(view, dst, op=spec.op, group=self.mesh.group, async_op=True)
+        return settled(work, view)

@@ -1,0 +1,171 @@
+"""The seam between the trainer's mode-free core and a parallel mode: three small protocols.
+
+- :class:`Storage`: where the weights live (plan from the module, fingerprint, bind);
+- :class:`GradSync`: how gradients become the mean (the bucket reducer over a comm, or a
+  mode's own schedule);
+- :class:`UpdateShard`: what the optimizer updates (segments, gradients, norm, after-step).
+
+:class:`Context` is what a mode may use of the trainer; it carries the mesh the ranks form
+(1-D today) and the division policy (:class:`~torchshard._parallel.comm.ReduceSpec`),
+decided once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from .._flat.geometry import Geometry
+from .._flat.module import FlatParamModule
+from .comm import Mesh1D, ReduceSpec
+from .shards import LocalShards
+
+__all__ = ["CommStats", "Context", "GradSync", "Segment", "Storage", "UpdateShard"]
+
+Segment = tuple[int, int, int, torch.Tensor]
+"""``(slot, start, end, tensor)``: a tensor the optimizer updates, and its flat range."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a mode may use of the trainer: the module, the mesh, the buffer's geometry and
+    the division policy."""
+
+    fm: FlatParamModule
+    mesh: Mesh1D
+    device: torch.device
+    geometry: Geometry
+    params: tuple[torch.nn.Parameter, ...]
+    """The module's parameters (views of the flat buffer), by slot."""
+    trainable: tuple[int, ...]
+    """Slot indices of the parameters that require grad."""
+    spec: ReduceSpec
+    """How a sum over the ranks becomes the mean (computed once, by the trainer)."""
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self.mesh.group
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.size
+
+    def global_rank(self, rank: int) -> int:
+        return self.mesh.global_rank(rank)
+
+    # The spec read the old way, for the unit mode until it reads ``spec`` (its cut).
+    @property
+    def divide_first(self) -> bool:
+        return self.spec.pre != 1.0
+
+    @property
+    def mean_op(self) -> dist.ReduceOp.RedOpType | None:
+        return None if self.spec.op == dist.ReduceOp.SUM else self.spec.op
+
+    @property
+    def divides_after(self) -> bool:
+        return self.spec.post != 1.0
+
+    @property
+    def flat(self) -> torch.Tensor:
+        assert self.fm.flat_param is not None
+        return self.fm.flat_param
+
+    @property
+    def grad(self) -> torch.Tensor:
+        assert self.fm.flat_grad is not None
+        return self.fm.flat_grad
+
+
+@dataclass
+class CommStats:
+    """Counters of the gradient communication (for logs and tests).
+
+    Example::
+
+        s = trainer.stats
+        print(f"{s.launched_during_backward}/{s.buckets} buckets started in backward, "
+              f"{1e3 * s.wait_seconds / s.steps:.1f} ms/step waiting")
+    """
+
+    steps: int = 0
+    """``average_gradients()`` calls so far."""
+    buckets: int = 0
+    """Buckets that carry gradients."""
+    launched_during_backward: int = 0
+    """Buckets of the last step whose all-reduce started inside backward (from a gradient
+    hook). Not a measure of overlap: with the whole model compiled, backward is one graph
+    and every hook runs after its last kernel, yet each launch still counts here."""
+    wait_seconds: float = 0.0
+    """Total time ``average_gradients()`` spent waiting for communication (host time:
+    meaningful on gloo; on NCCL ``wait()`` only orders the streams and returns at once)."""
+    bytes_reduced: int = 0
+    """Bytes of gradient buffers handed to reductions (all-reduce, reduce, reduce-scatter),
+    counted at their full size, since the trainer was built."""
+    bytes_gathered: int = 0
+    """Bytes of weight buffers all-gathered (sharded: after each step; fully sharded: each
+    unit before its forward and again before its backward), at their full size."""
+
+
+class Storage(Protocol):
+    """Where the weights live. The trainer calls, in this order and on every rank alike:
+    ``prepare`` (no tensor, no collective), ``fingerprint`` (compared across ranks before
+    anything is allocated), ``adopt`` (bind, initialize, broadcast from ``src``)."""
+
+    def prepare(self, fm: FlatParamModule) -> None: ...
+
+    def fingerprint(self) -> str: ...
+
+    def adopt(
+        self,
+        fm: FlatParamModule,
+        device: torch.device,
+        group: dist.ProcessGroup | None,
+        src: int,
+        init_fn: Callable[[torch.nn.Module], None] | None,
+    ) -> tuple[torch.nn.Parameter, ...]: ...
+
+    def gathered(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+class GradSync(Protocol):
+    """How gradients become the mean: hears backward, finishes in ``average_gradients``."""
+
+    sync: bool
+    """False inside ``no_sync()``."""
+    averaged: bool
+    """The gradients are the mean since the last backward."""
+    stats: CommStats
+
+    def finish(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class UpdateShard(Protocol):
+    """What the optimizer updates, and what becomes of the reduced gradient for it."""
+
+    def finish(self, ctx: Context) -> None:
+        """Every reduction completed: make the reduced sum the mean where it is kept."""
+        ...
+
+    def attach_grads(self, ctx: Context, used: dict[int, bool]) -> None: ...
+
+    def optimizer_tensors(self, ctx: Context) -> list[Segment]: ...
+
+    def local_grad(self, ctx: Context) -> torch.Tensor | None: ...
+
+    def norm(self, ctx: Context, grad: torch.Tensor, norm_type: float) -> torch.Tensor: ...
+
+    def after_step(self, ctx: Context) -> None: ...
+
+    def local_shards(self, ctx: Context) -> LocalShards | None: ...
