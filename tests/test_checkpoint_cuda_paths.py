@@ -466,10 +466,10 @@ def test_loading_for_a_cuda_trainer_reads_into_plain_host_memory(tmp_path: Path)
         share = _load._read_share(meta, CudaTarget(fm), opt, readers)
     finally:
         readers.close()
-    hosts = [share["weights"], *share["buffers"].values(), *share["optim"].values()]
+    hosts = [share.weights, *share.buffers.values(), *share.optim.values()]
     assert all(h.device.type == "cpu" and not h.is_pinned() for h in hosts)
-    s, e = share["range"]
-    assert torch.equal(share["weights"], fm.flat_param[s:e])
+    [(s, e, _)] = share.parts
+    assert torch.equal(share.weights, fm.flat_param[s:e])
 
 
 def test_load_drops_the_old_optimizer_state_before_installing_the_loaded_one(

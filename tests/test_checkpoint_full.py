@@ -244,8 +244,7 @@ def _big_save(root: str) -> None:
 def _big_load(root: str) -> dict:
     trainer = _big("full", 1)
     info = checkpoint.load(root, trainer, optimizer=trainer.optimizer)
-    mode = trainer._mode
-    held = sum(b - a for a, b in mode.stripes())
+    held = sum(b - a for a, b, _ in trainer.local_shards().runs)
     # weights (4 bytes) and two fp32 moments per element this rank holds
     out = {"bytes_read": info.bytes_read, "stripes_bytes": held * 12}
     trainer.close()

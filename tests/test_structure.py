@@ -77,11 +77,11 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_stepped",
     },
 }
-CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the trainer class
+CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never the trainer class
     "checkpoint._rules": set(),
     "checkpoint._safetensors": {"_errors"},
     "checkpoint._plan": {"_flat.geometry", "_flat.layout"},
-    "checkpoint._stripes": {"_errors", "checkpoint._plan"},
+    "checkpoint._stripes": {"_parallel.state", "checkpoint._plan"},
     "checkpoint._format": {
         "_errors",
         "_flat.layout",

@@ -452,7 +452,9 @@ def _collect(
     A fully sharded trainer holds no range of the files: its weights and state are
     assembled from every rank's stripes here, by collectives, into host tensors
     (``carve``'s, or new ones); only the module buffers are left to copy."""
-    layout, fm, stripes = t.fm.layout, t.fm, t.stripes
+    layout, fm = t.fm.layout, t.fm
+    # without a flat buffer no rank holds its range of the files: exchanged from the shards
+    stripes = t.stripes if fm.flat_param is None else None
     view = OptimizerView.of(optimizer, t) if optimizer is not None else None
     scalars = view.agree(t) if view is not None else ({}, "")  # a collective when sharded
     segments = None
