@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchshard
 from torchshard import checkpoint
-from torchshard.checkpoint import CheckpointError, _load, _save
+from torchshard.checkpoint import CheckpointError, _load, _save, _staging
 from torchshard.checkpoint._format import resolve
 from torchshard.checkpoint._metadata import Readers, read_metadata
 from torchshard.checkpoint._safetensors import SafetensorsReader, write_safetensors
@@ -260,9 +260,9 @@ def same_files(a: Path, b: Path) -> None:
 
 # -- 1. the writer thread binds the device ----------------------------------------------------------
 def test_bind_device_binds_cuda_only(cuda: FakeCuda) -> None:
-    _save._bind_device(torch.device("cpu"))
+    _staging.bind_device(torch.device("cpu"))
     assert cuda.calls("set_device") == []
-    _save._bind_device(CUDA1)
+    _staging.bind_device(CUDA1)
     assert [e[2] for e in cuda.calls("set_device")] == [CUDA1]
 
 

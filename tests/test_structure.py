@@ -116,16 +116,25 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "checkpoint._target",
     },
     "checkpoint._rendezvous": {"_dist", "_errors", "_log", "checkpoint._target"},
-    # save: the writer, staging and commit; it never imports load (the manager is above both)
-    "checkpoint._save": {
-        "_errors",
+    # save: staging, the share from one plan, the writer and commit; never load (the
+    # manager is above both)
+    "checkpoint._staging": {"_errors"},
+    "checkpoint._share": {
         "_flat.hf",
-        "_log",
         "checkpoint._format",
         "checkpoint._optim",
         "checkpoint._plan",
+        "checkpoint._staging",
+        "checkpoint._target",
+    },
+    "checkpoint._save": {
+        "_errors",
+        "_log",
+        "checkpoint._format",
         "checkpoint._rendezvous",
         "checkpoint._safetensors",
+        "checkpoint._share",
+        "checkpoint._staging",
         "checkpoint._target",
     },
     "checkpoint._manager": {
