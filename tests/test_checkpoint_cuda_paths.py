@@ -37,7 +37,8 @@ from torchshard import checkpoint
 from torchshard.checkpoint import CheckpointError, _load, _save, _staging
 from torchshard.checkpoint._format import resolve
 from torchshard.checkpoint._metadata import Readers, read_metadata
-from torchshard.checkpoint._safetensors import SafetensorsReader, write_safetensors
+from torchshard.checkpoint._safetensors import SafetensorsReader
+from torchshard.checkpoint._safetensors_writer import write_safetensors
 from torchshard.checkpoint._target import Target
 
 CUDA1 = torch.device("cuda", 1)

@@ -80,6 +80,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
 CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never the trainer class
     "checkpoint._rules": set(),
     "checkpoint._safetensors": {"_errors"},
+    "checkpoint._safetensors_writer": {"_errors", "checkpoint._safetensors"},
     "checkpoint._plan": {"_flat.geometry", "_flat.layout"},
     "checkpoint._stripes": {"_parallel.state", "checkpoint._plan"},
     "checkpoint._format": {
@@ -133,6 +134,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "checkpoint._format",
         "checkpoint._rendezvous",
         "checkpoint._safetensors",
+        "checkpoint._safetensors_writer",
         "checkpoint._share",
         "checkpoint._staging",
         "checkpoint._target",
@@ -151,6 +153,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "checkpoint._metadata",
         "checkpoint._plan",
         "checkpoint._safetensors",
+        "checkpoint._safetensors_writer",
     },
     "checkpoint._inspect": {
         "_errors",

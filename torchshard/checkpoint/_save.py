@@ -35,7 +35,8 @@ from .._errors import CheckpointError
 from .._log import get_logger
 from ._format import check_save_args, commit, model_file, optim_file, prepare, rotate, tmp_dir
 from ._rendezvous import Rendezvous
-from ._safetensors import FileRecord, SafetensorsWriter, write_safetensors
+from ._safetensors import FileRecord
+from ._safetensors_writer import SafetensorsWriter, write_safetensors
 from ._share import Share, collect
 from ._staging import (
     CpuStager,
