@@ -21,7 +21,7 @@ from multiprocess import run_distributed
 from sharded_harness import differences, flat_state, new_trainer, train
 
 from torchshard import checkpoint
-from torchshard.checkpoint import _save
+from torchshard.checkpoint import _staging
 
 SAVE_AT, MORE = 2, 3
 
@@ -30,8 +30,8 @@ def gate_background_staging(optimizer: torch.optim.Optimizer) -> threading.Event
     """Hold the save's background staging copy until ``optimizer.step()`` has begun."""
     stepping = threading.Event()
     optimizer.register_step_pre_hook(lambda *_: stepping.set())
-    assert hasattr(_save, "_stage_cpu"), "the staging copy was renamed: update this gate"
-    real = _save._stage_cpu
+    assert hasattr(_staging, "_stage_cpu"), "the staging copy was renamed: update this gate"
+    real = _staging._stage_cpu
 
     def gated(copies):
         background = threading.current_thread() is not threading.main_thread()
@@ -39,7 +39,7 @@ def gate_background_staging(optimizer: torch.optim.Optimizer) -> threading.Event
             raise RuntimeError("the test's gate: no optimizer.step() came")
         real(copies)
 
-    _save._stage_cpu = gated
+    _staging._stage_cpu = gated
     return stepping
 
 

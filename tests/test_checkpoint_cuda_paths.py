@@ -34,11 +34,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchshard
 from torchshard import checkpoint
-from torchshard.checkpoint import CheckpointError, _load, _save
+from torchshard.checkpoint import CheckpointError, _load, _save, _staging
 from torchshard.checkpoint._format import resolve
 from torchshard.checkpoint._metadata import Readers, read_metadata
-from torchshard.checkpoint._safetensors import write_safetensors
-from torchshard.checkpoint._safetensors_reader import SafetensorsReader
+from torchshard.checkpoint._safetensors import SafetensorsReader
+from torchshard.checkpoint._safetensors_writer import write_safetensors
 from torchshard.checkpoint._target import Target
 
 CUDA1 = torch.device("cuda", 1)
@@ -261,9 +261,9 @@ def same_files(a: Path, b: Path) -> None:
 
 # -- 1. the writer thread binds the device ----------------------------------------------------------
 def test_bind_device_binds_cuda_only(cuda: FakeCuda) -> None:
-    _save._bind_device(torch.device("cpu"))
+    _staging.bind_device(torch.device("cpu"))
     assert cuda.calls("set_device") == []
-    _save._bind_device(CUDA1)
+    _staging.bind_device(CUDA1)
     assert [e[2] for e in cuda.calls("set_device")] == [CUDA1]
 
 
@@ -467,10 +467,10 @@ def test_loading_for_a_cuda_trainer_reads_into_plain_host_memory(tmp_path: Path)
         share = _load._read_share(meta, CudaTarget(fm), opt, readers)
     finally:
         readers.close()
-    hosts = [share["weights"], *share["buffers"].values(), *share["optim"].values()]
+    hosts = [share.weights, *share.buffers.values(), *share.optim.values()]
     assert all(h.device.type == "cpu" and not h.is_pinned() for h in hosts)
-    s, e = share["range"]
-    assert torch.equal(share["weights"], fm.flat_param[s:e])
+    [(s, e, _)] = share.parts
+    assert torch.equal(share.weights, fm.flat_param[s:e])
 
 
 def test_load_drops_the_old_optimizer_state_before_installing_the_loaded_one(

@@ -254,8 +254,8 @@ def _train(trainer: torchshard.DistributedTrainer, step: int) -> None:
 def _read_sets(trainer: torchshard.DistributedTrainer) -> list[list[tuple[int, int]]]:
     """Every rank's flat element ranges that a load reads (a collective)."""
     t = Target(trainer)
-    if t.stripes is not None:
-        mine = [(a, b) for a, b, _ in t.stripes.ranges()]
+    if not trainer.module.is_bound:  # shard="full": the runs of its local shards
+        mine = [(a, b) for a, b, _ in trainer.local_shards().runs]
     else:
         mine = [state_ranges(trainer.module.layout, t.world)[t.rank]]
     every: list[Any] = [None] * t.world

@@ -28,6 +28,7 @@ from torchshard.checkpoint import CheckpointError
 from torchshard.checkpoint import _load as load_module
 from torchshard.checkpoint import _safetensors as st
 from torchshard.checkpoint._plan import gather_ranges
+from torchshard.checkpoint._safetensors_writer import write_safetensors
 
 CFG = GPTConfig.preset("small")  # about 0.8M parameters: ~400 checksum chunks per file
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -75,7 +76,7 @@ class Counted:
 def written(tmp_path) -> tuple[Path, st.FileRecord, torch.Tensor]:
     data = torch.randn(50_001)  # 200 KB: 49 chunks of 4 KiB, the last one short
     path = tmp_path / "t.safetensors"
-    record = st.write_safetensors(path, [("a", torch.arange(3.0)), ("x", data)])
+    record = write_safetensors(path, [("a", torch.arange(3.0)), ("x", data)])
     return path, record, data
 
 

@@ -134,12 +134,12 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_stepped",
     },
 }
-CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the trainer class
+CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never the trainer class
     "checkpoint._rules": set(),
     "checkpoint._safetensors": {"_errors"},
-    "checkpoint._safetensors_reader": {"_errors", "checkpoint._safetensors"},
+    "checkpoint._safetensors_writer": {"_errors", "checkpoint._safetensors"},
     "checkpoint._plan": {"_flat.geometry", "_flat.layout"},
-    "checkpoint._stripes": {"_errors", "checkpoint._plan"},
+    "checkpoint._stripes": {"_parallel.state", "checkpoint._plan"},
     "checkpoint._format": {
         "_errors",
         "_flat.layout",
@@ -153,7 +153,6 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the tra
         "checkpoint._format",
         "checkpoint._rules",
         "checkpoint._safetensors",
-        "checkpoint._safetensors_reader",
     },
     "checkpoint._target": {
         "_dist",
@@ -175,16 +174,26 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the tra
         "checkpoint._target",
     },
     "checkpoint._rendezvous": {"_dist", "_errors", "_log", "checkpoint._target"},
-    # save: the writer, staging and commit; it never imports load (the manager is above both)
-    "checkpoint._save": {
-        "_errors",
+    # save: staging, the share from one plan, the writer and commit; never load (the
+    # manager is above both)
+    "checkpoint._staging": {"_errors"},
+    "checkpoint._share": {
         "_flat.hf",
-        "_log",
         "checkpoint._format",
         "checkpoint._optim",
         "checkpoint._plan",
+        "checkpoint._staging",
+        "checkpoint._target",
+    },
+    "checkpoint._save": {
+        "_errors",
+        "_log",
+        "checkpoint._format",
         "checkpoint._rendezvous",
         "checkpoint._safetensors",
+        "checkpoint._safetensors_writer",
+        "checkpoint._share",
+        "checkpoint._staging",
         "checkpoint._target",
     },
     "checkpoint._manager": {
@@ -201,6 +210,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the tra
         "checkpoint._metadata",
         "checkpoint._plan",
         "checkpoint._safetensors",
+        "checkpoint._safetensors_writer",
     },
     "checkpoint._inspect": {
         "_errors",
@@ -208,7 +218,6 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target only), never the tra
         "checkpoint._format",
         "checkpoint._metadata",
         "checkpoint._safetensors",
-        "checkpoint._safetensors_reader",
         "checkpoint._tools",
     },
 }

@@ -27,8 +27,6 @@ class TrainState(Protocol):
     rank: int
     world_size: int
     device: torch.device
-    shard: bool | str
-    """The mode's label: ``False`` (replicated), ``True`` (optimizer sharded) or ``"full"``."""
     group_names: list[list[str]]
     """Parameter names per param group of that optimizer, on every rank alike."""
 
@@ -49,12 +47,9 @@ class TrainState(Protocol):
         """``(slot, start, end, tensor)`` for each tensor that optimizer updates."""
         ...
 
-    def refresh_master(self) -> None:
-        """The weights were loaded: refresh the copies derived from them."""
-        ...
-
     def local_shards(self) -> LocalShards | None:
-        """What this rank's optimizer updates of the flat buffer (``None``: whole weights)."""
+        """What this rank's optimizer updates of the flat buffer (``None``: whole weights);
+        the checkpoint plans its reads and writes on this alone."""
         ...
 
     def after_load(self) -> None:

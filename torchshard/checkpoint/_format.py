@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "MASTER",
     "METADATA",
     "build_metadata",
+    "check_save_args",
     "commit",
     "complete_checkpoints",
     "fsync_dir",
@@ -245,3 +247,45 @@ def build_metadata(
         ]
         meta["optimizer"] = {**optimizer, "files": files}
     return meta
+
+
+def check_save_args(step: Any, extra: Any) -> dict[str, Any]:
+    """``extra`` as it will load back (``{}`` for ``None``), once ``step`` is a non-negative
+    integer and ``extra`` a dict of JSON values with string keys; else :class:`CheckpointError`.
+
+    Example::
+
+        check_save_args(100, {"data": {"epoch": 2}})  # {'data': {'epoch': 2}}
+    """
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"step: expected a non-negative integer, got {step!r}")
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise CheckpointError(
+            f"extra: expected a dict of JSON values or None, got {type(extra).__name__}"
+        )
+    odd = [k for k in _keys(extra) if not isinstance(k, str)]
+    if odd:  # JSON would turn them into strings: another dict comes back than was saved
+        raise CheckpointError(
+            f"extra: expected string keys, got {odd[0]!r} ({type(odd[0]).__name__}); "
+            "JSON would load it back as a string"
+        )
+    try:
+        return json.loads(json.dumps(extra, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"extra: expected a dict of JSON values ({e}); NaN and infinity are not JSON: "
+            "store None or a string instead"
+        ) from e
+
+
+def _keys(value: Any) -> Iterator[Any]:
+    """Every dict key in ``value``, at any depth."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield k
+            yield from _keys(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _keys(v)

@@ -20,8 +20,7 @@ from .._errors import CheckpointError, and_more
 from .._flat.layout import dtype_name
 from ._format import INDEX, METADATA, complete_checkpoints, index_json, resolve
 from ._metadata import Metadata, OptimMeta, read_metadata
-from ._safetensors import FileRecord
-from ._safetensors_reader import SafetensorsReader
+from ._safetensors import FileRecord, SafetensorsReader
 from ._tools import Progress, existing
 
 __all__ = [

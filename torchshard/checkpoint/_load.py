@@ -4,8 +4,9 @@ Rank r of the current world reads only the parts of the saved files that
 overlap its element range ``[s, e)`` of the flat buffer, into host memory,
 verifying checksums. Only when every rank has read its part without error
 does anything change: each rank copies its range into place and the ranges
-are broadcast, so every rank ends with the whole buffer. A fully sharded rank
-reads its stripes instead, and keeps them: nothing is broadcast.
+are broadcast, so every rank ends with the whole buffer. A rank without a flat
+buffer (``shard="full"``) reads its local shards' runs instead, and keeps them:
+nothing is broadcast.
 
 With ``fallback=True`` a root's complete checkpoints are tried newest first:
 one that every rank refused before anything changed is skipped for the next
@@ -29,7 +30,7 @@ from .._log import get_logger
 from ._format import METADATA, complete_checkpoints, resolve
 from ._metadata import Metadata, Readers, read_metadata
 from ._optim import MASTER, OptimizerView, group_problem, restore_group_values
-from ._plan import gather_ranges, overlap, state_ranges
+from ._plan import gather_ranges, overlap
 from ._rules import OPTIMIZER_RULES
 from ._target import Checkpointable, CheckpointInfo, Target
 
@@ -133,16 +134,27 @@ def _read_state(
     return written
 
 
+@dataclasses.dataclass
+class _Read:
+    """This rank's part of a checkpoint, in host memory, before anything changed."""
+
+    weights: torch.Tensor  # laid out by ``parts``
+    parts: Parts  # of the weights: equal parts to gather, or this rank's local shards' runs
+    buffers: dict[str, torch.Tensor]
+    optim: dict[str, torch.Tensor]  # flat state by key: full size, or laid out by ``parts``
+
+
 def _read_share(
     meta: Metadata, t: Target, optimizer: torch.optim.Optimizer | None, readers: Readers
-) -> dict[str, Any]:
+) -> _Read:
     """Read this rank's part of the weights and optimizer state, and the buffers, to host.
 
-    What every rank ends up holding whole (the weights; a replicated optimizer's state) is
-    read in equal parts plus a short tail (:func:`~._plan.gather_ranges`), so that one
-    all-gather per tensor completes it; a sharded optimizer's state is read for this rank's
-    range. A fully sharded rank reads its stripes instead, into tensors laid out like its
-    shard: each rank reads exactly what it holds, and nothing is exchanged after.
+    What every rank ends up holding whole (the weights in a flat buffer; state of an
+    optimizer over whole parameters) is read in equal parts plus a short tail
+    (:func:`~._plan.gather_ranges`), so that one all-gather per tensor completes it. What
+    is held in local shards (the weights without a flat buffer; the state of the
+    trainer's sharding optimizer) is read for their runs, laid out like their tensor:
+    each rank reads exactly what it holds, and nothing is exchanged after.
 
     Into plain (pageable) host memory, also for a CUDA trainer: each byte crosses to
     the device once, and page-locking it first would cost about as much as the faster
@@ -150,15 +162,10 @@ def _read_share(
     two and keep it pinned after the load.
     """
     layout = t.fm.layout
-    s, e = state_ranges(layout, t.world)[t.rank]
-    own = optimizer is not None and optimizer is t.sharded_optimizer
-    if t.stripes is None:
-        mine = _packed(gather_ranges(layout.numel, t.world, t.rank))
-        numel = sum(b - a for a, b, _ in mine)
-        parts, state_numel = ([(s, e, 0)], e - s) if own else (mine, numel)
-    else:
-        mine, numel = t.stripes.ranges(), t.stripes.shard.numel()
-        parts, state_numel = mine, numel
+    equal = _packed(gather_ranges(layout.numel, t.world, t.rank))
+    shards = (list(t.stripes.runs), t.stripes.tensor.numel()) if t.stripes else ([], 0)
+    mine, numel = (equal, sum(b - a for a, b, _ in equal)) if t.fm.is_bound else shards
+    own = t.owns_state(optimizer)
     weights = torch.empty(numel, dtype=layout.torch_dtype)
     written = []
     for shard in meta.weights:
@@ -185,22 +192,21 @@ def _read_share(
     if optimizer is not None:
         assert meta.optim is not None
         takes_master = OptimizerView.of(optimizer, t).has_master
-        # On CPU a replicated optimizer's state is read straight into full-size tensors, in
-        # place: they only become live in load_state_dict, after every rank has succeeded,
-        # and the all-gather fills the rest (the files cover every element).
-        full = t.device.type == "cpu" and not own and t.stripes is None
+        parts, state_numel = shards if own else (equal, sum(b - a for a, b, _ in equal))
         for key, dtype in meta.optim.flat_state.items():
             if key == MASTER and not takes_master:
                 continue
-            if full:
+            # On CPU the state of an optimizer over whole parameters is read straight into
+            # full-size tensors, in place: they only become live in load_state_dict, after
+            # every rank has succeeded, and the all-gather fills the rest.
+            if t.device.type == "cpu" and not own:
                 host = torch.empty(layout.numel, dtype=dtype)
                 _read_state(readers, meta.optim.files, key, [(a, b, a) for a, b, _ in parts], host)
             else:
                 host = torch.empty(state_numel, dtype=dtype)
                 _zero_gaps(host, _read_state(readers, meta.optim.files, key, parts, host))
             state[key] = host
-    return {"range": (s, e), "parts": mine, "weights": weights, "buffers": buffers,
-            "optim": state}  # fmt: skip
+    return _Read(weights, mine, buffers, state)
 
 
 def _agree(t: Target, error: str | None, path: Path) -> _Refusal | None:
@@ -245,56 +251,54 @@ def _gather_parts(full: torch.Tensor, b: int, t: Target, *, by_broadcast: bool) 
     return [gather(full[: t.world * b], mine, group=t.group, async_op=True)]
 
 
+def _to_shards(t: Target) -> None:
+    """The flat buffer was loaded: the local shards' tensor, if one of its own, follows."""
+    flat = t.fm.flat_param
+    if t.stripes is not None and flat is not None:
+        t.stripes.copy_from(flat)
+
+
 @torch.no_grad()
 def _apply(
-    meta: Metadata, t: Target, share: dict[str, Any], optimizer: torch.optim.Optimizer | None
+    meta: Metadata, t: Target, share: _Read, optimizer: torch.optim.Optimizer | None
 ) -> None:
     layout = t.fm.layout
-    s = share["range"][0]
-    parts: Parts = share["parts"]
+    equal = _packed(gather_ranges(layout.numel, t.world, t.rank))
     pending: list[dist.Work] = []
     by_broadcast = t.world > 1 and dist.get_backend(t.group) in BROADCAST_BACKENDS
 
     def fill(full: torch.Tensor, mine: torch.Tensor | None) -> None:
-        """This rank's parts of ``full`` from ``mine`` (``None``: read in place), then the
-        exchange of the rest, started, not waited for."""
-        for a, b, at in parts if mine is not None else ():
+        """This rank's equal parts of ``full`` from ``mine`` (``None``: read in place), then
+        the exchange of the rest, started, not waited for."""
+        for a, b, at in equal if mine is not None else ():
             full[a:b].copy_(mine[at : at + b - a], non_blocking=True)
         pending.extend(_gather_parts(full, layout.numel // t.world, t, by_broadcast=by_broadcast))
 
-    if t.stripes is not None:
-        # the stripes, in the shard's dtype: a bf16 buffer's fp32 master is the bf16 weights
-        # until a saved master, if any, overrides it below (as the sharded mode's refresh)
-        t.stripes.shard.copy_(share["weights"])
-    else:
-        flat = t.fm.flat_param
-        assert flat is not None
-        fill(flat, share["weights"])
+    flat = t.fm.flat_param
+    if flat is not None:
+        fill(flat, share.weights)
+    else:  # read for the local shards' runs, laid out like their tensor; in its dtype: a bf16
+        # buffer's fp32 master is the bf16 weights until a saved master overrides it below
+        assert t.stripes is not None
+        t.stripes.tensor.copy_(share.weights)
     live = t.buffers()
-    for name, value in share["buffers"].items():
+    for name, value in share.buffers.items():
         live[name].copy_(value)
     if optimizer is None:
         for work in pending:
             work.wait()
-        t.refresh_master()
+        _to_shards(t)
         return
     assert meta.optim is not None
     view = OptimizerView.of(optimizer, t)
     # Everything was checked and load_state_dict replaces the state: drop the old state
     # now, so that it and the loaded one are never held at once.
     optimizer.state.clear()
-    # The sharded trainer's optimizer holds this rank's range only, the fully sharded one's
-    # its stripes (read laid out like its shard): no exchange needed.
-    own = optimizer is t.sharded_optimizer
-
-    def at(a: int) -> int:
-        """Where flat element ``a`` of a segment lies in the loaded state."""
-        if t.stripes is not None:
-            return t.stripes.position(a)
-        return a - s if own else a
-
+    # An optimizer of local shards holds their runs only (read laid out like their tensor):
+    # no exchange needed.
+    own = t.owns_state(optimizer)
     flat_state = {}
-    for key, host in share["optim"].items():
+    for key, host in share.optim.items():
         if own:
             flat_state[key] = host.to(t.device, copy=True)
         elif host.numel() == layout.numel:  # read in place (CPU): only the exchange is left
@@ -305,7 +309,8 @@ def _apply(
             fill(flat_state[key], host)
     for work in pending:  # the weights and the state, gathered at once
         work.wait()
-    t.refresh_master()  # a saved master slice, if any, overrides it below
+    _to_shards(t)  # a saved master, if any, overrides it below
+    at = t.stripes.position if own and t.stripes is not None else (lambda a: a)
     segment = {id(seg.tensor): seg for seg in view.segments}
     scalars, stateful = meta.optim.scalar_state, meta.optim.stateful
     rules = meta.optim.rules
@@ -403,8 +408,7 @@ def _load_one(
     assert share is not None
     try:
         _apply(meta, t, share, optimizer)
-        if t.stripes is not None:
-            t.stripes.regather()  # units gathered now hold the old weights
+        t.after_load()  # e.g. units gathered now hold the old weights
     except Exception as e:  # everything was checked: a bug, or a peer lost mid-way
         raise CheckpointError(
             f"{path}: applying the checkpoint failed after every check had passed "

@@ -32,8 +32,7 @@ from ._rules import (
     expect_list,
     expect_str,
 )
-from ._safetensors import FileRecord, TensorEntry
-from ._safetensors_reader import SafetensorsReader
+from ._safetensors import FileRecord, SafetensorsReader, TensorEntry
 
 __all__ = ["Metadata", "OptimMeta", "Readers", "read_metadata"]
 

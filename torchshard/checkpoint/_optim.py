@@ -52,7 +52,7 @@ class OptimizerView:
         if own is not None:
             for i, a, b, tensor in own[0]:
                 by_id[id(tensor)] = Segment(i, a, b, tensor)
-        elif t.stripes is not None:
+        elif not fm.is_bound:
             raise CheckpointError(
                 "optimizer: expected trainer.optimizer with shard='full' (the module's own "
                 "parameters hold no storage between steps there), got another optimizer; "
@@ -164,7 +164,7 @@ class OptimizerView:
         there the ranks exchange theirs and ``flat_keys`` grows to every rank's; every rank
         calls it then."""
         mine = self.scalars(len(t.fm.layout))
-        if self.optimizer is not t.sharded_optimizer or t.world == 1:
+        if not t.owns_state(self.optimizer) or t.world == 1:
             return merge_scalars([mine])
         flat = {k: dtype_name(d) for k, d in self.flat_keys.items()}
         payload = json.dumps({"scalars": mine, "flat": flat}).encode()

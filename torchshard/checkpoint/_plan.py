@@ -41,12 +41,15 @@ def weight_tiles(layout: FlatLayout, world_size: int) -> list[tuple[int, int]]:
     widened to tile ``[0, layout.numel)``: from its first parameter to the next rank's (the
     alignment gap after its last parameter, or the whole tail, comes with it; an empty run is
     an empty tile). What a fully sharded save gathers each model file's weights into."""
+    return _tiles(layout, weight_runs(layout, world_size))
+
+
+def _tiles(layout: FlatLayout, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """:func:`weight_tiles` of the runs :func:`weight_runs` gave."""
     n, slots = layout.numel, layout.slots
-    starts = [
-        slots[lo].offset if lo < len(slots) else n for lo, _ in weight_runs(layout, world_size)
-    ]
+    starts = [slots[lo].offset if lo < len(slots) else n for lo, _ in runs]
     starts[0] = 0
-    return [(a, starts[q + 1] if q + 1 < world_size else n) for q, a in enumerate(starts)]
+    return [(a, starts[q + 1] if q + 1 < len(runs) else n) for q, a in enumerate(starts)]
 
 
 def state_ranges(layout: FlatLayout, world_size: int) -> list[tuple[int, int]]:
@@ -83,7 +86,9 @@ class Piece:
 
 @dataclass(frozen=True)
 class SharePlan:
-    """What one rank writes in a save at ``world`` ranks."""
+    """What one rank writes in a save at ``world`` ranks, and every cut of the files that a
+    save needs, computed once: a rank that holds no range of the files assembles its share
+    from every rank's (``tiles``, ``state_ranges``)."""
 
     rank: int
     world: int
@@ -91,6 +96,13 @@ class SharePlan:
     span: tuple[int, int]  # those parameters' elements in the flat buffer; (0, 0) for none
     state_range: tuple[int, int]  # its range of flat optimizer state; (0, 0) when none is saved
     pieces: tuple[Piece, ...]  # state_range, cut where segments begin and end, in order
+    tiles: tuple[tuple[int, int], ...] = ()  # every rank's weight tile (:func:`weight_tiles`)
+    state_ranges: tuple[tuple[int, int], ...] = ()  # every rank's state range; () when none
+
+    @property
+    def tile(self) -> tuple[int, int]:
+        """This rank's weight tile: its run of whole parameters widened to tile the buffer."""
+        return self.tiles[self.rank]
 
 
 def plan_share(
@@ -116,11 +128,14 @@ def plan_share(
         plan.slots, plan.span, plan.state_range  # (2, 6), (24, 54), (28, 56)
         plan.pieces[:2]  # Piece(28, 29, segment=2), then Piece(29, 32, None): padding
     """
-    lo, hi = weight_runs(layout, world_size)[rank]
+    runs = weight_runs(layout, world_size)
+    lo, hi = runs[rank]
     span = (layout.slots[lo].offset, layout.slots[hi - 1].end) if hi > lo else (0, 0)
+    tiles = tuple(_tiles(layout, runs))
     if segments is None:
-        return SharePlan(rank, world_size, (lo, hi), span, (0, 0), ())
-    s0, e0 = state_ranges(layout, world_size)[rank]
+        return SharePlan(rank, world_size, (lo, hi), span, (0, 0), (), tiles)
+    ranges = tuple(state_ranges(layout, world_size))
+    s0, e0 = ranges[rank]
     pieces: list[Piece] = []
     pos = s0
     for i in sorted(range(len(segments)), key=lambda i: segments[i][0]):
@@ -133,7 +148,7 @@ def plan_share(
         pos = b
     if pos < e0:
         pieces.append(Piece(pos, e0, None))
-    return SharePlan(rank, world_size, (lo, hi), span, (s0, e0), tuple(pieces))
+    return SharePlan(rank, world_size, (lo, hi), span, (s0, e0), tuple(pieces), tiles, ranges)
 
 
 def exchange_splits(

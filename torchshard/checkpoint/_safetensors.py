@@ -1,12 +1,11 @@
-"""Standard safetensors files, written from staged host memory (read by byte range in
-:mod:`._safetensors_reader`).
+"""Standard safetensors files: the format's shared parts, and a reader by byte range.
 
-The writer streams each tensor's bytes straight from its (CPU) memory in
-large writes (no serialized copy of the file), computing per-chunk CRC32s on
-the way, and fsyncs. The reader parses and validates the JSON header (no
+The format's parts shared by writer and reader (dtype codes, checksum chunks,
+file records) and the reader: it parses and validates the JSON header (no
 pickle, nothing executes), then reads only the requested byte ranges,
-verifying the CRC of every chunk it touches. Files are readable by
-``safetensors.safe_open`` and transformers.
+verifying the CRC of every chunk it touches. The writer
+(``_safetensors_writer``) streams each tensor's bytes straight from its (CPU)
+memory. Files are readable by ``safetensors.safe_open`` and transformers.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import math
 import os
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,15 +24,9 @@ import torch
 
 from .._errors import CheckpointError
 
-__all__ = [
-    "FileRecord",
-    "SafetensorsWriter",
-    "TensorEntry",
-    "bytes_of",
-    "write_safetensors",
-]
+__all__ = ["DTYPES", "FileRecord", "SafetensorsReader", "TensorEntry", "bytes_of", "crc32"]
 
-_DTYPES = {
+DTYPES = {  # safetensors' dtype codes
     torch.float64: "F64",
     torch.float32: "F32",
     torch.float16: "F16",
@@ -45,7 +39,7 @@ _DTYPES = {
     torch.bool: "BOOL",
     torch.complex64: "C64",
 }
-_FROM_NAME = {v: k for k, v in _DTYPES.items()}
+_FROM_NAME = {v: k for k, v in DTYPES.items()}
 
 try:  # the same CRC-32, 4-5x faster than zlib's where ISA-L is installed (the `fast` extra)
     from isal.isal_zlib import crc32 as _crc32
@@ -53,8 +47,17 @@ except ImportError:  # pragma: no cover - depends on the environment
     _crc32 = zlib.crc32
 _HEX = re.compile("[0-9a-f]+")
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit
-_WRITE_BLOCK = 64 * 2**20
 _READ_BLOCK = 64 * 2**20  # the most one read in place asks for
+
+
+def crc32(data: memoryview | bytes, value: int = 0) -> int:
+    """The CRC-32 of ``data``, continued from ``value`` (ISA-L's where installed).
+
+    Example::
+
+        crc32(b"abc")  # 0x352441c2
+    """
+    return _crc32(data, value)
 
 
 def _is_hex(text: object, digits: int | None = None) -> bool:
@@ -115,149 +118,211 @@ class TensorEntry:
     end: int
 
 
-class SafetensorsWriter:
-    """A safetensors file written piece by piece, tensor data in the order of ``entries``.
+def _count(v: object) -> int:
+    """A JSON non-negative integer (``int()`` would also take floats, bools and strings)."""
+    if type(v) is not int or v < 0:
+        raise ValueError(f"expected a non-negative integer, got {v!r}")
+    return v
 
-    The header goes first with placeholder checksums (all the same length),
-    the data streams after it while the CRC32 of each chunk is computed
-    (the CRC and ``write`` release the GIL on large blocks), and
-    :meth:`finish` rewrites the header with the real checksums and fsyncs.
+
+class SafetensorsReader:
+    """Reads byte ranges of one safetensors file, verifying chunk CRCs when a record is given.
+
+    ``bytes_read`` counts what came from the file (for I/O accounting).
     """
 
-    def __init__(
-        self,
-        path: Path,
-        entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-        metadata: dict[str, str] | None = None,
-    ) -> None:
-        self._header: dict[str, object] = {}
-        offset = 0
-        for name, dtype, shape in entries:
-            if name in self._header or name == "__metadata__":
-                raise CheckpointError(f"{path.name}: tensor name {name!r} appears twice")
-            code = _DTYPES.get(dtype)
-            if code is None:
-                raise CheckpointError(
-                    f"tensor {name!r}: dtype {dtype} has no safetensors code here"
-                )
-            nbytes = math.prod(shape) * dtype.itemsize
-            self._header[name] = {
-                "dtype": code,
-                "shape": list(shape),
-                "data_offsets": [offset, offset + nbytes],
-            }
-            offset += nbytes
-        self._metadata = {"format": "pt", **(metadata or {})}
-        self.path = path
-        self.data_size = offset
-        self._chunk = chunk_size_for(offset)
-        self._crcs: list[int] = []
-        self._crc = self._filled = self._written = 0
-        head = self._head([0] * -(-offset // self._chunk))
-        self.size = len(head) + offset
+    def __init__(self, path: Path, record: FileRecord | None = None) -> None:
+        self.path = Path(path)
+        self.record = record
+        self.bytes_read = 0
+        self._cached: tuple[int, bytearray] | None = None
         try:
-            self._f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in finish()/close()
+            self._f = open(self.path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
         except OSError as e:
-            raise self._error(e) from e
+            raise CheckpointError(
+                f"{self.path}: cannot open ({e.strerror}); is the file missing?"
+            ) from e
         try:
-            self._put(memoryview(head))
+            self.size = os.fstat(self._f.fileno()).st_size
+            if record is not None and self.size != record.size:
+                raise CheckpointError(
+                    f"{self.path}: expected {record.size} bytes, found {self.size}; "
+                    "the file is truncated or was replaced"
+                )
+            self.entries, self.metadata, self.data_start = self._parse_header()
+            self.chunk_bytes, self.crc32 = self._parse_checksums()
         except BaseException:
             self._f.close()
             raise
 
-    def _error(self, e: OSError) -> CheckpointError:
-        return CheckpointError(
-            f"{self.path}: cannot write ({e.strerror or e}); earlier checkpoints are untouched"
-        )
+    def _error(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: not a valid safetensors file: {what}")
 
-    def _put(self, data: memoryview) -> None:
+    def _parse_header(self) -> tuple[dict[str, TensorEntry], dict[str, str], int]:
+        if self.size < 8:
+            raise self._error(f"{self.size} bytes, shorter than the 8-byte header length")
+        first = bytearray(8)
+        self._pread(0, memoryview(first))
+        n = int.from_bytes(first, "little")
+        if n > _MAX_HEADER or 8 + n > self.size:
+            raise self._error(f"header length {n} does not fit in {self.size} bytes")
+        raw = bytearray(n)
+        self._pread(8, memoryview(raw))
+        if self.record is not None and _crc32(raw, _crc32(first)) != self.record.header_crc32:
+            raise CheckpointError(
+                f"{self.path}: header checksum mismatch; the file is corrupt, restore it or "
+                "load an earlier checkpoint"
+            )
         try:
-            _write_all(self._f, data)
-        except OSError as e:
-            raise self._error(e) from e
-
-    def _head(self, crcs: list[int]) -> bytes:
-        meta = {
-            **self._metadata,
-            "torchshard.chunk_bytes": str(self._chunk),
-            "torchshard.crc32": "".join(f"{c:08x}" for c in crcs),
-        }
-        head = json.dumps({"__metadata__": meta, **self._header}, separators=(",", ":")).encode()
-        head += b" " * (-len(head) % 8)  # safetensors pads the header to 8 bytes
-        return len(head).to_bytes(8, "little") + head
-
-    def write(self, data: memoryview) -> None:
-        self._written += len(data)
-        if self._written > self.data_size:
-            raise CheckpointError(f"{self.path}: more data than its header describes")
-        rest = data
-        while len(rest):
-            take = min(len(rest), self._chunk - self._filled)
-            self._crc = _crc32(rest[:take], self._crc)
-            self._filled += take
-            rest = rest[take:]
-            if self._filled == self._chunk:
-                self._crcs.append(self._crc)
-                self._crc = self._filled = 0
-        self._put(data)
-
-    def write_tensor(self, t: torch.Tensor) -> None:
-        """Append a contiguous CPU tensor's bytes, in large blocks."""
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError("stage tensors to contiguous host memory before writing")
-        data = bytes_of(t)
-        for start in range(0, len(data), _WRITE_BLOCK):
-            self.write(data[start : start + _WRITE_BLOCK])
-
-    def write_zeros(self, nbytes: int) -> None:
-        """Append ``nbytes`` zero bytes."""
-        zeros = memoryview(bytes(min(nbytes, _WRITE_BLOCK)))
-        while nbytes > 0:
-            self.write(zeros[: min(nbytes, len(zeros))])
-            nbytes -= len(zeros)
-
-    def finish(self) -> FileRecord:
-        """Write the real checksums into the header, fsync, and return the file's record."""
-        if self._written != self.data_size:
-            raise CheckpointError(f"{self.path}: wrote {self._written} of {self.data_size} bytes")
-        if self._filled:
-            self._crcs.append(self._crc)
-        head = self._head(self._crcs)
-        assert len(head) + self.data_size == self.size  # same length as the placeholder
+            header = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise self._error(f"header is not JSON ({e})") from e
+        if not isinstance(header, dict):
+            raise self._error("header is not a JSON object")
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise self._error("__metadata__ is not an object of strings")
+        data_start, entries, end = 8 + n, {}, 0
         try:
-            os.pwrite(self._f.fileno(), head, 0)
-            os.fsync(self._f.fileno())
-        except OSError as e:
-            raise self._error(e) from e
-        finally:
-            self._f.close()
-        return FileRecord(self.size, _crc32(head))
+            for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                dtype = _FROM_NAME[e["dtype"]]
+                shape = tuple(_count(d) for d in e["shape"])
+                begin, stop = (_count(x) for x in e["data_offsets"])
+                if begin != end or stop - begin != math.prod(shape) * dtype.itemsize:
+                    raise self._error(
+                        f"tensor {name!r}: data_offsets {[begin, stop]} are inconsistent"
+                    )
+                entries[name] = TensorEntry(name, dtype, shape, begin, stop)
+                end = stop
+        except (KeyError, TypeError, ValueError) as e:
+            raise self._error(f"malformed tensor entry ({type(e).__name__}: {e})") from e
+        if data_start + end != self.size:
+            raise self._error(f"data ends at byte {data_start + end}, file has {self.size}")
+        return entries, metadata, data_start
+
+    def _parse_checksums(self) -> tuple[int, tuple[int, ...]]:
+        """The data section's chunk size and CRC32s, from the header (when a record vouches for it)."""
+        if self.record is None:
+            return 0, ()
+        chunk_text = self.metadata.get("torchshard.chunk_bytes")
+        text = self.metadata.get("torchshard.crc32")
+        digits = isinstance(chunk_text, str) and chunk_text.isascii() and chunk_text.isdigit()
+        if not digits or not isinstance(text, str):
+            raise self._error("no chunk checksums in its header")
+        if text and not _is_hex(text):
+            raise self._error("torchshard.crc32 holds something other than hex digits")
+        chunk = int(chunk_text)
+        crcs = tuple(int(text[i : i + 8], 16) for i in range(0, len(text), 8))
+        data = self.size - self.data_start
+        if chunk <= 0 or len(text) % 8 or len(crcs) != -(-data // chunk):
+            raise self._error(f"{len(crcs)} checksums do not cover {data} bytes of data")
+        return chunk, crcs
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> list[int]:
+        """Read the whole data section; return the indices of chunks whose CRC32 is wrong."""
+        bad = []
+        for index in range(len(self.crc32)):
+            try:
+                self._chunk(index)
+            except CheckpointError:
+                bad.append(index)
+            if progress is not None:
+                progress(
+                    min(self.chunk_bytes, self.size - self.data_start - index * self.chunk_bytes)
+                )
+        return bad
+
+    def read_into(self, name: str, start: int, stop: int, dst: torch.Tensor) -> None:
+        """Copy elements ``[start, stop)`` of tensor ``name`` (flattened) into CPU tensor ``dst``."""
+        if dst.device.type != "cpu" or not dst.is_contiguous():
+            # the bytes are written through dst's address: a device pointer would crash
+            raise ValueError(
+                f"read into contiguous host memory, then copy to the device; got a "
+                f"{'contiguous' if dst.is_contiguous() else 'non-contiguous'} tensor on {dst.device}"
+            )
+        e = self.entries.get(name)
+        if e is None:
+            raise CheckpointError(f"{self.path}: has no tensor {name!r}")
+        item = e.dtype.itemsize
+        if (
+            dst.dtype != e.dtype
+            or dst.numel() != stop - start
+            or not 0 <= start <= stop <= (e.end - e.begin) // item
+        ):
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} ({e.dtype}, {(e.end - e.begin) // item} elements) "
+                f"cannot fill elements [{start}, {stop}) of a {dst.dtype} buffer of {dst.numel()}"
+            )
+        self._read_into(self.data_start + e.begin + start * item, bytes_of(dst))
+
+    def _read_into(self, offset: int, out: memoryview) -> None:
+        """Read ``len(out)`` bytes at file ``offset`` into ``out``, verifying every chunk they
+        touch. Whole chunks are read straight into ``out``, many per call, and checked there;
+        only a chunk cut by either end goes through a buffer (the last one is kept: the next
+        range usually starts in it)."""
+        if self.record is None:
+            self._pread(offset, out)
+            return
+        chunk, base = self.chunk_bytes, self.data_start
+        pos, end = offset - base, offset - base + len(out)  # within the data section
+        data_end = self.size - base
+        while pos < end:
+            index = pos // chunk
+            first = index * chunk
+            if pos == first and min(first + chunk, data_end) <= end:
+                # whole chunks (the data's short last one too): read in place, up to
+                # _READ_BLOCK at a time (at least one chunk)
+                stop = min(end, pos + _READ_BLOCK)
+                if stop != data_end:
+                    stop -= stop % chunk
+                view = out[pos - (offset - base) : stop - (offset - base)]
+                self._pread(base + pos, view)
+                for i in range(index, -(-stop // chunk)):
+                    lo = (i - index) * chunk
+                    self._check(i, view[lo : lo + chunk])
+                pos = stop
+                continue
+            data = self._chunk(index)
+            lo = pos - first
+            take = min(end - pos, len(data) - lo)
+            out[pos - (offset - base) : pos - (offset - base) + take] = data[lo : lo + take]
+            pos += take
+
+    def _check(self, index: int, data: memoryview | bytearray) -> None:
+        if _crc32(data) != self.crc32[index]:
+            start = self.data_start + index * self.chunk_bytes
+            raise CheckpointError(
+                f"{self.path}: checksum mismatch in bytes [{start}, {start + len(data)}); "
+                "the file is corrupt, restore it or load an earlier checkpoint"
+            )
+
+    def _chunk(self, index: int) -> bytearray:
+        if self._cached is not None and self._cached[0] == index:
+            return self._cached[1]
+        chunk = self.chunk_bytes
+        start = self.data_start + index * chunk
+        buf = bytearray(min(chunk, self.size - start))
+        self._pread(start, memoryview(buf))
+        self._check(index, buf)
+        self._cached = (index, buf)  # never written to after this
+        return buf
+
+    def _pread(self, offset: int, out: memoryview) -> None:
+        done = 0
+        while done < len(out):
+            n = os.preadv(self._f.fileno(), [out[done:]], offset + done)
+            if n == 0:
+                raise CheckpointError(
+                    f"{self.path}: unexpected end of file at byte {offset + done}"
+                )
+            done += n
+        self.bytes_read += len(out)
 
     def close(self) -> None:
         self._f.close()
 
-    def __enter__(self) -> SafetensorsWriter:
+    def __enter__(self) -> SafetensorsReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _write_all(f, data: memoryview) -> None:
-    while len(data):
-        n = f.write(data)
-        data = data[n:]
-
-
-def write_safetensors(
-    path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None
-) -> FileRecord:
-    """Write ``tensors`` (contiguous CPU tensors, in this order) as one safetensors file.
-
-    Streams from the tensors' memory in large blocks, fsyncs, and returns the file's record.
-    """
-    entries = [(name, t.dtype, tuple(t.shape)) for name, t in tensors]
-    with SafetensorsWriter(path, entries, metadata) as out:
-        for _, t in tensors:
-            out.write_tensor(t)
-        return out.finish()

@@ -1,10 +1,10 @@
 """Sharded checkpoints: per-rank safetensors shards, written in the background, committed atomically.
 
 An async save stages this rank's share (its run of whole parameters, its flat
-range of optimizer state; which ones is ``_plan``'s arithmetic) into one block
-of host memory that is reused across saves (on CUDA, page-locked to the byte:
-see :class:`HostArena`), then a background thread writes and fsyncs the files
-into ``ROOT/.tmp-step-N``; a blocking save on CPU writes straight from the live
+range of optimizer state: ``_share`` builds it from one plan) into one block of
+host memory that is reused across saves (on CUDA, page-locked to the byte: see
+``_staging``), then a background thread writes and fsyncs the files into
+``ROOT/.tmp-step-N``; a blocking save on CPU writes straight from the live
 tensors instead. Ranges that are zeros (padding, parameters without optimizer
 state) are never staged: the writer writes the zeros. The background thread
 binds the trainer's CUDA device before anything else and never runs a
@@ -23,15 +23,8 @@ A rank that fails tells the others under the key they wait on.
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import math
-import mmap
 import os
 import shutil
-import threading
-import weakref
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,22 +32,22 @@ import torch
 import torch.distributed as dist
 
 from .._errors import CheckpointError
-from .._flat.hf import transformers_config
 from .._log import get_logger
-from ._format import (
-    build_metadata,
-    commit,
-    model_file,
-    optim_file,
-    prepare,
-    rotate,
-    step_dir,
-    tmp_dir,
-)
-from ._optim import OptimizerView
-from ._plan import Piece, SharePlan, plan_share, state_ranges, weight_tiles
+from ._format import check_save_args, commit, model_file, optim_file, prepare, rotate, tmp_dir
 from ._rendezvous import Rendezvous
-from ._safetensors import FileRecord, SafetensorsWriter, write_safetensors
+from ._safetensors import FileRecord
+from ._safetensors_writer import SafetensorsWriter, write_safetensors
+from ._share import Share, collect
+from ._staging import (
+    CpuStager,
+    CudaStager,
+    Fence,
+    HostArena,
+    Staged,
+    Stager,
+    bind_device,
+    resolve_device,
+)
 from ._target import Checkpointable, Target
 
 __all__ = ["CheckpointFuture", "Writer", "async_save", "save"]
@@ -100,142 +93,6 @@ class CheckpointFuture:
         return self._future.exception()
 
 
-_Copy = tuple[torch.Tensor, torch.Tensor]  # (host destination, source)
-
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
-_PAGE = mmap.PAGESIZE
-
-
-@dataclass
-class _Share:
-    """This rank's part of one save, staged in host memory (or the live tensors themselves)."""
-
-    path: Path
-    step: int
-    plan: SharePlan
-    weights: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    # per state key: its dtype and its pieces in order (a tensor, or a count of zeros)
-    optim: list[tuple[str, torch.dtype, list[torch.Tensor | int]]] = field(default_factory=list)
-    metadata: dict[str, Any] | None = None  # rank 0 only, without "files"
-    buffer_bytes: int = 0
-    cuda_done: torch.cuda.Event | None = None  # staged on a side stream: when that is done
-
-
-def _cuda_check(rc: Any, what: str) -> None:
-    """Raise if a CUDA runtime call returned an error code (``cudaSuccess`` is 0)."""
-    code = int(rc)
-    if code != 0:
-        raise CheckpointError(f"checkpoint staging memory: {what} failed with CUDA error {code}")
-
-
-def _unpin(block: torch.Tensor) -> None:
-    _cuda_check(
-        torch.cuda.cudart().cudaHostUnregister(block.data_ptr()),
-        f"cudaHostUnregister of {block.numel()} bytes",
-    )
-
-
-class HostArena:
-    """One block of host memory that each save carves its staging copies from, grown on
-    demand (to exactly what the save needs) and never shrunk, so memory stays bounded.
-
-    For CUDA the block is a plain allocation page-locked with ``cudaHostRegister``,
-    exactly its size, and unregistered when it is replaced or released. Torch's
-    pinned allocator (``pin_memory=True``) would round every block up to a power of
-    two and keep freed blocks pinned for the life of the process.
-    """
-
-    def __init__(self) -> None:
-        self.block: torch.Tensor | None = None
-        self._unpin: weakref.finalize | None = None  # unregisters the block; set while pinned
-
-    @property
-    def pinned_bytes(self) -> int:
-        """Bytes registered (page-locked) for CUDA staging, 0 when none are; the pages
-        locked cover them, so at most one page more."""
-        return self.block.numel() if self.block is not None and self._unpin is not None else 0
-
-    def reserve(self, nbytes: int, pin: bool) -> torch.Tensor:
-        """At least ``nbytes`` bytes (uint8), page-locked if ``pin``. The previous block is
-        replaced only if too small (or not pinned when it must be): the caller makes sure
-        no copy into it is still running."""
-        block = self.block
-        if block is None or block.numel() < nbytes or (pin and nbytes and self._unpin is None):
-            self.release()  # first: the old and the new block never coexist
-            if pin and nbytes:
-                # Registration locks whole pages: start on a page of our own, and own the
-                # rest of the last one too, so that no other allocation (another writer's
-                # registered block) shares a page with this one.
-                pages = -(-nbytes // _PAGE) * _PAGE
-                raw = torch.empty(pages + _PAGE, dtype=torch.uint8)
-                start = -raw.data_ptr() % _PAGE
-                block = raw[start : start + nbytes]
-                _cuda_check(
-                    torch.cuda.cudart().cudaHostRegister(
-                        block.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE
-                    ),
-                    f"cudaHostRegister of {nbytes} bytes (page-locking host memory for the "
-                    "copies from the GPU; the save did not start)",
-                )
-                self._unpin = weakref.finalize(self, _unpin, block)
-                self._unpin.atexit = False  # at exit the process's memory goes anyway
-            else:
-                block = torch.empty(nbytes, dtype=torch.uint8)
-            self.block = block
-        return block
-
-    def release(self) -> None:
-        """Unregister (if pinned) and drop the block."""
-        unpin, self._unpin, self.block = self._unpin, None, None
-        if unpin is not None:
-            unpin()
-
-    def carve(self, specs: list[tuple[torch.Size, torch.dtype]], pin: bool) -> list[torch.Tensor]:
-        """Host tensors of these shapes and dtypes, laid out in order in one block of
-        exactly their size (plus alignment for each dtype)."""
-        offsets, total = [], 0
-        for shape, dtype in specs:
-            size = dtype.itemsize
-            total = -(-total // size) * size
-            offsets.append(total)
-            total += math.prod(shape) * size
-        block = self.reserve(total, pin)
-        return [
-            block[o : o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-            for o, (shape, dtype) in zip(offsets, specs)
-        ]
-
-
-class _Fence:
-    """What ``optimizer.step()`` waits for while a save's staging copies may still run.
-
-    Registered once per optimizer as a step pre-hook; it holds this, not the writer.
-    """
-
-    def __init__(self) -> None:
-        self.staged = threading.Event()  # CPU: cleared while the writer thread copies
-        self.staged.set()
-        self.cuda: tuple[torch.cuda.Event, torch.device] | None = None  # CUDA: the copies' event
-
-    def __call__(self, *_: Any) -> None:
-        self.staged.wait()
-        pending = self.cuda
-        if pending is not None:
-            done, device = pending
-            # on the GPU: the step's kernels wait for the copies; the host does not block
-            torch.cuda.current_stream(device).wait_event(done)
-
-
-def _bind_device(device: torch.device) -> None:
-    """Make ``device`` the calling thread's current CUDA device (a no-op elsewhere).
-
-    A new thread's current device is 0: its first CUDA call (an event sync) would
-    otherwise create a context on GPU 0, for every rank of the node.
-    """
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-
-
 class Writer:
     """Host staging memory reused across saves, one background thread, one save in flight."""
 
@@ -245,8 +102,7 @@ class Writer:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torchshard-ckpt")
         self.arena = HostArena()
         self._inflight: CheckpointFuture | None = None
-        self._fence = _Fence()
-        self._fenced: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._fence = Fence()
         self._copying: torch.cuda.Event | None = None  # the last save's copies from the GPU
 
     @property
@@ -265,10 +121,7 @@ class Writer:
 
     def fence(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.step()`` wait until the staging copies of the save in flight are done."""
-        if optimizer in self._fenced:
-            return
-        optimizer.register_step_pre_hook(self._fence)
-        self._fenced.add(optimizer)
+        self._fence.guard(optimizer)
 
     # -- one save ----------------------------------------------------------------------------
     def save(
@@ -289,66 +142,30 @@ class Writer:
             except CheckpointError as e:
                 if not seen:  # an error nobody has seen yet must not pass silently
                     raise CheckpointError(f"the previous checkpoint save failed: {e}") from e
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise CheckpointError(f"step: expected a non-negative integer, got {step!r}")
-        if extra is None:
-            extra = {}
-        if not isinstance(extra, dict):
-            raise CheckpointError(
-                f"extra: expected a dict of JSON values or None, got {type(extra).__name__}"
-            )
-        odd = [k for k in _keys(extra) if not isinstance(k, str)]
-        if odd:  # JSON would turn them into strings: another dict comes back than was saved
-            raise CheckpointError(
-                f"extra: expected string keys, got {odd[0]!r} ({type(odd[0]).__name__}); "
-                "JSON would load it back as a string"
-            )
-        try:
-            extra_json = json.loads(json.dumps(extra, allow_nan=False))
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(
-                f"extra: expected a dict of JSON values ({e}); NaN and infinity are not JSON: "
-                "store None or a string instead"
-            ) from e
+        extra_json = check_save_args(step, extra)
         target = Target(obj)
         seq = target.coord.next_sequence() if target.coord is not None else 0
         root = Path(root)
-        device = _resolve(target.device)
+        device = resolve_device(target.device)
         cuda = device.type == "cuda"
         # The previous save is over (waited for above), and so are its copies from the GPU
         # even if its writer failed before waiting for them: its staging memory is free.
         self._copies_done()
         # A save the caller waits for writes host tensors straight from where they live.
-        staged = cuda or not blocking
-        carve = (lambda sources: self.arena.carve(sources, pin=cuda)) if staged else None
-        share, early, late = _collect(target, root, step, optimizer, extra_json, carve)
-        background: list[_Copy] | None = None
+        stage = cuda or not blocking
+        carve = (lambda specs: self.arena.carve(specs, pin=cuda)) if stage else None
+        share, early, late = collect(target, root, step, optimizer, extra_json, carve)
+        stager: Stager
         if cuda:
-            # Enqueued on a side stream after the work already queued. Forward changes the
-            # module buffers: the current stream waits for their (small) copies at once.
-            # With an optimizer, only its step waits for the rest (a GPU-side wait in its
-            # step pre-hook); without one nothing says when the weights change, so the
-            # current stream waits for every copy (still on the GPU: the host goes on).
-            early_done, share.cuda_done = _stage_cuda(early, late, device)
-            self._copying = share.cuda_done
-            current = torch.cuda.current_stream(device)
-            if optimizer is None:
-                current.wait_event(share.cuda_done)
-            else:
-                if early_done is not None:
-                    current.wait_event(early_done)
-                self._fence.cuda = (share.cuda_done, device)
-                self.fence(optimizer)
-        elif staged and optimizer is not None:
-            _stage_cpu(early)  # forward changes the module buffers: copy them now
-            self._fence.staged.clear()  # the rest in the background; optimizer.step() waits
+            stager = gpu = CudaStager(device, self._fence, fenced=optimizer is not None)
+        else:
+            stager = CpuStager(self._fence, background=stage and optimizer is not None)
+        staged = stager.stage(early, late)
+        if cuda:
+            self._copying = gpu.done  # what a failed writer may leave running
+        if stage and optimizer is not None:
             self.fence(optimizer)
-            background = late
-        elif staged:
-            _stage_cpu(early + late)  # nothing tells us when the weights change: copy now
-        future = self._pool.submit(
-            self._write, target, device, share, root, seq, keep_last, background
-        )
+        future = self._pool.submit(self._write, target, device, share, root, seq, keep_last, staged)
         result = CheckpointFuture(future)
         self._inflight = result
         return result
@@ -357,27 +174,18 @@ class Writer:
         self,
         t: Target,
         device: torch.device,
-        share: _Share,
+        share: Share,
         root: Path,
         seq: int,
         keep_last: int | None,
-        background: list[_Copy] | None,
+        staged: Staged,
     ) -> Path:
         """The background thread's part of a save: the four steps of the module docstring."""
         tmp = tmp_dir(root, share.step)  # (these two make no CUDA call)
         meet = Rendezvous(t, seq, share.path, share.step, self.timeout, self.heartbeat_timeout)
         try:
-            _bind_device(device)  # before this thread's first CUDA call
-            if background is not None:
-                try:
-                    _stage_cpu(background)
-                finally:
-                    self._fence.staged.set()
-            if share.cuda_done is not None:
-                share.cuda_done.synchronize()
-                pending = self._fence.cuda
-                if pending is not None and pending[0] is share.cuda_done:
-                    self._fence.cuda = None  # copied: later steps need not wait
+            bind_device(device)  # before this thread's first CUDA call
+            staged.wait()  # the copies into host memory, if any are left
             if t.rank == 0:  # 1. prepare
                 prepare(root, tmp, share.path)
                 meet.prepared(tmp)
@@ -436,166 +244,6 @@ class Writer:
             self.arena.release()
 
 
-def _collect(
-    t: Target,
-    root: Path,
-    step: int,
-    optimizer: torch.optim.Optimizer | None,
-    extra: dict[str, Any],
-    carve: Callable[[list[tuple[torch.Size, torch.dtype]]], list[torch.Tensor]] | None,
-) -> tuple[_Share, list[_Copy], list[_Copy]]:
-    """This rank's share, as ``_plan`` places it, and the copies that stage it into the
-    host tensors that ``carve`` hands out (``None``: the files are written straight from
-    the live tensors, for a save the caller waits for): the module buffers' copies, then
-    the others. Ranges that are zeros are counts in the share, never copies.
-
-    A fully sharded trainer holds no range of the files: its weights and state are
-    assembled from every rank's stripes here, by collectives, into host tensors
-    (``carve``'s, or new ones); only the module buffers are left to copy."""
-    layout, fm, stripes = t.fm.layout, t.fm, t.stripes
-    view = OptimizerView.of(optimizer, t) if optimizer is not None else None
-    scalars = view.agree(t) if view is not None else ({}, "")  # a collective when sharded
-    segments = None
-    if view is not None and view.flat_keys:
-        segments = [(seg.start, seg.end) for seg in view.segments]
-    if stripes is None:
-        plan = plan_share(layout, t.world, t.rank, segments)
-    else:  # the state range of the files, cut into no pieces: it is assembled whole
-        plan = plan_share(layout, t.world, t.rank)
-        if segments is not None:
-            plan = replace(plan, state_range=state_ranges(layout, t.world)[t.rank])
-    share = _Share(step_dir(root, step), step, plan)
-    (lo, hi), (base, end) = share.plan.slots, share.plan.span
-    buffers = t.buffers() if t.rank == 0 else {}
-    # What is written from live tensors, each in the dtype of its file entry, in staging
-    # order: the module buffers first, then this rank's run of weights, then the state.
-    sources = [(b.detach(), b.dtype) for b in buffers.values()]
-    # Fully sharded: what is assembled instead, after them: the weight tile, the state.
-    assembled: list[tuple[torch.Size, torch.dtype]] = []
-    optim: list[tuple[str, torch.dtype, list[torch.Tensor | int]]] = []
-    if stripes is not None:
-        tile = weight_tiles(layout, t.world)[t.rank]
-        base = tile[0]
-        assembled.append((torch.Size([tile[1] - tile[0]]), fm.dtype))
-        if segments is not None:
-            assert view is not None
-            s0, e0 = share.plan.state_range
-            assembled += [(torch.Size([e0 - s0]), d) for d in view.flat_keys.values()]
-    else:
-        flat = fm.flat_param
-        assert flat is not None
-        if hi > lo:
-            sources.append((flat.detach()[base:end], fm.dtype))
-        if segments is not None:
-            assert view is not None
-            for key, dtype in view.flat_keys.items():
-                parts = [(p, _part(view, p, key)) for p in share.plan.pieces]
-                pieces = [p.end - p.start if part is None else part for p, part in parts]
-                optim.append((key, dtype, pieces))
-                sources += [(x, dtype) for x in pieces if isinstance(x, torch.Tensor)]
-    specs = [(src.shape, dtype) for src, dtype in sources]
-    if carve is not None:
-        hosts = carve(specs + assembled)
-        copies = [(host, src) for host, (src, _) in zip(hosts, sources)]
-    else:
-        hosts = [src.contiguous() for src, _ in sources]
-        hosts += [torch.empty(shape, dtype=dtype) for shape, dtype in assembled]
-        copies = []
-    staged = iter(hosts)
-    buffer_hosts = [next(staged) for _ in buffers]
-    if stripes is not None:
-        weights = next(staged)
-        stripes.assemble(weight_tiles(layout, t.world), weights, None)
-        if segments is not None:
-            assert view is not None
-            states = {key: next(staged) for key in view.flat_keys}
-            ranges = state_ranges(layout, t.world)
-            for key in sorted(states):  # the same order on every rank
-                parts = [(seg.start, seg.end, view.source(seg, key)) for seg in view.segments]
-                stripes.assemble(ranges, states[key], parts)
-            share.optim = [(key, host.dtype, [host]) for key, host in states.items()]
-        if hi > lo:
-            host = weights
-    elif hi > lo:
-        host = next(staged)
-    if hi > lo:
-        for s in layout.slots[lo:hi]:
-            share.weights.append((s.name, host[s.offset - base : s.end - base].view(s.shape)))
-    for (name, b), host in zip(buffers.items(), buffer_hosts):
-        share.weights.append((name, host))
-        share.buffer_bytes += b.numel() * b.element_size()
-    for key, dtype, pieces in optim:
-        share.optim.append(
-            (key, dtype, [x if isinstance(x, int) else next(staged) for x in pieces])
-        )
-    if t.rank == 0:
-        optim_meta = view.metadata(scalars) if view is not None else None
-        config = transformers_config(t.fm.module, layout.torch_dtype)
-        share.metadata = build_metadata(
-            layout, t.world, step, list(buffers), optim_meta, extra, config
-        )
-    return share, copies[: len(buffers)], copies[len(buffers) :]
-
-
-def _keys(value: Any) -> Iterator[Any]:
-    """Every dict key in ``value``, at any depth."""
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield k
-            yield from _keys(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _keys(v)
-
-
-def _part(view: OptimizerView, piece: Piece, key: str) -> torch.Tensor | None:
-    """Piece ``piece`` of the flat state ``key``; ``None`` where it is zeros."""
-    if piece.segment is None:
-        return None
-    seg = view.segments[piece.segment]
-    src = view.source(seg, key)
-    return None if src is None else src[piece.start - seg.start : piece.end - seg.start]
-
-
-def _resolve(device: torch.device) -> torch.device:
-    """``device`` with its index (``cuda`` alone means the calling thread's current one)."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-@torch.no_grad()
-def _stage_cpu(copies: list[_Copy]) -> None:
-    """Run staging copies at once."""
-    for dst, src in copies:
-        dst.copy_(src)
-
-
-@torch.no_grad()
-def _stage_cuda(
-    first: list[_Copy], rest: list[_Copy], device: torch.device
-) -> tuple[torch.cuda.Event | None, torch.cuda.Event]:
-    """Enqueue staging copies on a side stream, after the work queued so far on the
-    current stream (they read what it writes); ``first``, then ``rest``. Returns the events
-    that mark ``first`` done (``None`` if empty) and all of them done. Nothing here makes
-    the current stream wait: the caller decides. The sources are persistent tensors
-    (weights, buffers, optimizer state) that outlive the copies: no ``record_stream``."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    first_done = None
-    with torch.cuda.stream(side):
-        for dst, src in first:
-            dst.copy_(src, non_blocking=True)
-        if first:
-            first_done = torch.cuda.Event()
-            first_done.record(side)
-        for dst, src in rest:
-            dst.copy_(src, non_blocking=True)
-        done = torch.cuda.Event(blocking=True)  # the writer thread sleeps in synchronize()
-        done.record(side)
-    return first_done, done
-
-
 def _as_checkpoint_error(e: BaseException) -> CheckpointError:
     if isinstance(e, CheckpointError):
         return e
@@ -613,7 +261,7 @@ def _as_checkpoint_error(e: BaseException) -> CheckpointError:
     return CheckpointError(f"writing the checkpoint failed: {type(e).__name__}: {e}")
 
 
-def _write_files(t: Target, share: _Share, tmp: Path) -> dict[str, dict[str, Any]]:
+def _write_files(t: Target, share: Share, tmp: Path) -> dict[str, dict[str, Any]]:
     records: dict[str, FileRecord] = {}
     if share.weights:
         name = model_file(t.rank, t.world)

@@ -1,9 +1,10 @@
 """What a checkpoint save or load acts on, and what a load returns.
 
 The checkpoint layer never imports the trainer class: it reads the
-:class:`TrainState` protocol (which ``DistributedTrainer`` satisfies), here only,
-and a fully sharded trainer's stripes through :class:`~._stripes.Stripes`; the
-other modules reach the trainer through :class:`Target`.
+:class:`TrainState` protocol (which ``DistributedTrainer`` satisfies), here only:
+what a rank holds is data (``local_shards()``, seen through
+:class:`~._stripes.Stripes`), and one hook (``after_load()``) runs after a load;
+the other modules reach the trainer through :class:`Target`.
 """
 
 from __future__ import annotations
@@ -67,8 +68,12 @@ class Target:
             raise CheckpointError(
                 f"trainer: expected a DistributedTrainer or a FlatParamModule, got {type(obj).__name__}"
             )
-        # shard="full": no flat buffer; this rank's stripes of it instead
-        self.stripes = Stripes.of(self.trainer)
+        # What this rank's optimizer updates, when it is not every whole weight; without a
+        # flat buffer (shard="full"), all this rank holds of the weights.
+        shards = self.trainer.local_shards() if self.trainer is not None else None
+        self.stripes = (
+            None if shards is None else Stripes(shards, self.group, self.rank, self.world)
+        )
         if not self.fm.is_bound and self.stripes is None:
             raise CheckpointError(
                 "trainer: the FlatParamModule is not bound to a buffer yet (or a fully "
@@ -78,13 +83,20 @@ class Target:
         self.coord = self.trainer.coordinator if self.trainer is not None else None
         self.store = self.coord.store if self.coord is not None else None
 
-    @property
-    def sharded_optimizer(self) -> torch.optim.Optimizer | None:
-        """The sharded trainer's optimizer (its state lives in this rank's slice only, or
-        with ``shard="full"`` in its stripes)."""
-        if self.trainer is not None and self.trainer.shard:
-            return self.trainer.optimizer
-        return None
+    def owns_state(self, optimizer: torch.optim.Optimizer | None) -> bool:
+        """Whether ``optimizer`` updates this rank's local shards only (the trainer's own,
+        when it shards): then its state is this rank's runs, not whole parameters."""
+        return (
+            optimizer is not None
+            and self.stripes is not None
+            and self.trainer is not None
+            and self.trainer.optimizer is optimizer
+        )
+
+    def covers(self, span: tuple[int, int]) -> bool:
+        """Whether this rank holds every flat element of ``span`` of what its optimizer
+        updates (its local shards' runs; without local shards, every element)."""
+        return self.stripes is None or self.stripes.covers(span)
 
     def trainer_segments(
         self, optimizer: torch.optim.Optimizer
@@ -97,10 +109,10 @@ class Target:
         segments = list(self.trainer.optimizer_segments())
         return segments, [list(n) for n in self.trainer.group_names]
 
-    def refresh_master(self) -> None:
-        """The weights were loaded: the trainer refreshes what it derives from them."""
+    def after_load(self) -> None:
+        """The weights were loaded: the trainer refreshes what it derives from them now."""
         if self.trainer is not None:
-            self.trainer.refresh_master()
+            self.trainer.after_load()
 
     def global_rank(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)

@@ -33,7 +33,8 @@ from ._format import (
 )
 from ._metadata import Metadata, OptimMeta, Readers, read_metadata
 from ._plan import overlap, state_ranges, weight_runs
-from ._safetensors import FileRecord, SafetensorsWriter, bytes_of
+from ._safetensors import FileRecord, bytes_of
+from ._safetensors_writer import SafetensorsWriter
 
 __all__ = ["Consolidated", "Progress", "consolidate", "existing", "reshard"]
 

@@ -1,0 +1,174 @@
+"""Standard safetensors files, written from staged host memory.
+
+The writer streams each tensor's bytes straight from its (CPU) memory in
+large writes (no serialized copy of the file), computing per-chunk CRC32s on
+the way, and fsyncs; ``_safetensors`` reads them back by byte range.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from .._errors import CheckpointError
+from ._safetensors import DTYPES, FileRecord, bytes_of, chunk_size_for, crc32
+
+__all__ = ["SafetensorsWriter", "write_safetensors"]
+
+_WRITE_BLOCK = 64 * 2**20
+
+
+class SafetensorsWriter:
+    """A safetensors file written piece by piece, tensor data in the order of ``entries``.
+
+    The header goes first with placeholder checksums (all the same length),
+    the data streams after it while the CRC32 of each chunk is computed
+    (the CRC and ``write`` release the GIL on large blocks), and
+    :meth:`finish` rewrites the header with the real checksums and fsyncs.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self._header: dict[str, object] = {}
+        offset = 0
+        for name, dtype, shape in entries:
+            if name in self._header or name == "__metadata__":
+                raise CheckpointError(f"{path.name}: tensor name {name!r} appears twice")
+            code = DTYPES.get(dtype)
+            if code is None:
+                raise CheckpointError(
+                    f"tensor {name!r}: dtype {dtype} has no safetensors code here"
+                )
+            nbytes = math.prod(shape) * dtype.itemsize
+            self._header[name] = {
+                "dtype": code,
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
+        self._metadata = {"format": "pt", **(metadata or {})}
+        self.path = path
+        self.data_size = offset
+        self._chunk = chunk_size_for(offset)
+        self._crcs: list[int] = []
+        self._crc = self._filled = self._written = 0
+        head = self._head([0] * -(-offset // self._chunk))
+        self.size = len(head) + offset
+        try:
+            self._f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in finish()/close()
+        except OSError as e:
+            raise self._error(e) from e
+        try:
+            self._put(memoryview(head))
+        except BaseException:
+            self._f.close()
+            raise
+
+    def _error(self, e: OSError) -> CheckpointError:
+        return CheckpointError(
+            f"{self.path}: cannot write ({e.strerror or e}); earlier checkpoints are untouched"
+        )
+
+    def _put(self, data: memoryview) -> None:
+        try:
+            _write_all(self._f, data)
+        except OSError as e:
+            raise self._error(e) from e
+
+    def _head(self, crcs: list[int]) -> bytes:
+        meta = {
+            **self._metadata,
+            "torchshard.chunk_bytes": str(self._chunk),
+            "torchshard.crc32": "".join(f"{c:08x}" for c in crcs),
+        }
+        head = json.dumps({"__metadata__": meta, **self._header}, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)  # safetensors pads the header to 8 bytes
+        return len(head).to_bytes(8, "little") + head
+
+    def write(self, data: memoryview) -> None:
+        self._written += len(data)
+        if self._written > self.data_size:
+            raise CheckpointError(f"{self.path}: more data than its header describes")
+        rest = data
+        while len(rest):
+            take = min(len(rest), self._chunk - self._filled)
+            self._crc = crc32(rest[:take], self._crc)
+            self._filled += take
+            rest = rest[take:]
+            if self._filled == self._chunk:
+                self._crcs.append(self._crc)
+                self._crc = self._filled = 0
+        self._put(data)
+
+    def write_tensor(self, t: torch.Tensor) -> None:
+        """Append a contiguous CPU tensor's bytes, in large blocks."""
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("stage tensors to contiguous host memory before writing")
+        data = bytes_of(t)
+        for start in range(0, len(data), _WRITE_BLOCK):
+            self.write(data[start : start + _WRITE_BLOCK])
+
+    def write_zeros(self, nbytes: int) -> None:
+        """Append ``nbytes`` zero bytes."""
+        zeros = memoryview(bytes(min(nbytes, _WRITE_BLOCK)))
+        while nbytes > 0:
+            self.write(zeros[: min(nbytes, len(zeros))])
+            nbytes -= len(zeros)
+
+    def finish(self) -> FileRecord:
+        """Write the real checksums into the header, fsync, and return the file's record."""
+        if self._written != self.data_size:
+            raise CheckpointError(f"{self.path}: wrote {self._written} of {self.data_size} bytes")
+        if self._filled:
+            self._crcs.append(self._crc)
+        head = self._head(self._crcs)
+        assert len(head) + self.data_size == self.size  # same length as the placeholder
+        try:
+            os.pwrite(self._f.fileno(), head, 0)
+            os.fsync(self._f.fileno())
+        except OSError as e:
+            raise self._error(e) from e
+        finally:
+            self._f.close()
+        return FileRecord(self.size, crc32(head))
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _write_all(f, data: memoryview) -> None:
+    while len(data):
+        n = f.write(data)
+        data = data[n:]
+
+
+def write_safetensors(
+    path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None
+) -> FileRecord:
+    """Write ``tensors`` (contiguous CPU tensors, in this order) as one safetensors file.
+
+    Streams from the tensors' memory in large blocks, fsyncs, and returns the file's record.
+
+    Example::
+
+        record = write_safetensors(Path("model.safetensors"), [("w", torch.zeros(3))])
+    """
+    entries = [(name, t.dtype, tuple(t.shape)) for name, t in tensors]
+    with SafetensorsWriter(path, entries, metadata) as out:
+        for _, t in tensors:
+            out.write_tensor(t)
+        return out.finish()
