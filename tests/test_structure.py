@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import inspect
+import io
+import tokenize
 from pathlib import Path
 
 import torchshard
 import torchshard.checkpoint
 
 PACKAGE = Path(torchshard.__file__).parent
+REPO = PACKAGE.parent
 
 # The three wings, by dotted path under torchshard. Each module lists what it may import
 # from torchshard; a new module must be placed here.
@@ -85,8 +89,11 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_flat.layout",
         "_flat.module",
         "_flat.views",
+        "_parallel.comm",
         "_parallel.seam",
     },
+    # a trainer's teardown, in one order (the exit hook's too)
+    "_parallel.teardown": {"_dist", "_exit", "_flat.module", "_log"},
     "_parallel.state": {"_dist", "_flat.module", "_parallel.mode", "_parallel.shards"},
     "_parallel.units": {"_errors", "_flat.geometry", "_flat.layout"},
     # the fully sharded mode, one way: collectives -> storage -> grads / init -> schedule -> mode
@@ -130,6 +137,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_parallel.seam",
         "_parallel.setup",
         "_parallel.shards",
+        "_parallel.teardown",
         "_parallel.units",
         "_stepped",
     },
@@ -419,3 +427,166 @@ def test_public_api_is_exported_and_documented():
     assert not new, f"public names without an example in their docstring: {sorted(new)}"
     done = MISSING_EXAMPLES - missing_examples
     assert not done, f"these have an example now; remove them from MISSING_EXAMPLES: {sorted(done)}"
+
+
+# -- the seam's rules (issue 20) -------------------------------------------------------------
+MAX_MODULE_CODE_LINES = 350
+MAX_CLASS_CODE_LINES = 250
+REGISTRY = PACKAGE / "_parallel" / "modes.py"
+MODE_LITERALS = {"full"}  # shard= values that name a mode: spelled only in the registry
+
+
+def _docstring_lines(tree: ast.AST) -> set[int]:
+    """Lines of docstrings and of bare string statements (attribute docstrings)."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            lines.update(range(node.lineno, node.end_lineno + 1))
+    return lines
+
+
+def code_lines(source: str) -> set[int]:
+    """Lines that hold code: not blank, not a comment, not a docstring."""
+    docs = _docstring_lines(ast.parse(source))
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT}
+    code: set[int] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type in skip or tok.type == tokenize.ENDMARKER:
+            continue
+        code.update(n for n in range(tok.start[0], tok.end[0] + 1) if n not in docs)
+    return code
+
+
+def test_code_lines_count_neither_docstrings_nor_comments():
+    source = (
+        'class A:\n    """Doc.\n\n    More."""\n\n    # a comment\n    x = 1\n    """x\'s doc."""\n'
+    )
+    assert code_lines(source) == {1, 7}
+
+
+def test_modules_and_classes_stay_small():
+    over = []
+    for name, path in modules().items():
+        source = path.read_text()
+        code = code_lines(source)
+        if len(code) > MAX_MODULE_CODE_LINES:
+            over.append(f"module {name}: {len(code)} code lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                n = sum(node.lineno <= x <= node.end_lineno for x in code)
+                if n > MAX_CLASS_CODE_LINES:
+                    over.append(f"class {name}.{node.name}: {n} code lines")
+    assert not over, f"over {MAX_MODULE_CODE_LINES}/{MAX_CLASS_CODE_LINES} code lines: {over}"
+
+
+def _private_reads(path: Path) -> list[str]:
+    """``x._mode`` and ``getattr(x, "_private")`` in ``path``: reaching into another object."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "_mode":
+            found.append(f"{path.name}:{node.lineno} .{node.attr}")
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and node.args[1].value.startswith("_")
+            and not node.args[1].value.startswith("__")
+        ):
+            found.append(f"{path.name}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
+    return found
+
+
+def test_checkpoint_and_benchmarks_read_public_state_only():
+    paths = [*(PACKAGE / "checkpoint").rglob("*.py"), *(REPO / "benchmarks").rglob("*.py")]
+    found = [hit for p in paths for hit in _private_reads(p)]
+    assert not found, f"read the trainer's public state instead: {found}"
+
+
+def test_private_reads_are_seen(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        'm = trainer._mode\nn = getattr(trainer, "_mode")\nok = getattr(t, "__doc__")\n'
+    )
+    assert len(_private_reads(probe)) == 2
+
+
+def test_mode_literals_only_in_the_registry():
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path == REGISTRY:
+            continue
+        tree = ast.parse(path.read_text())
+        docs = _docstring_lines(tree)
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Constant)
+                and node.value in MODE_LITERALS
+                and node.lineno not in docs
+            ):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert REGISTRY.exists(), "the registry of modes: torchshard/_parallel/modes.py"
+    assert not found, f"mode literals outside {REGISTRY.name}: {found}"
+
+
+def _parameters(fn: object) -> list[tuple[str, object, bool]]:
+    sig = inspect.signature(fn)  # type: ignore[arg-type]
+    return [(p.name, p.kind, p.default is not p.empty) for p in sig.parameters.values()]
+
+
+def compatible(base: object, override: object) -> bool:
+    """``override`` accepts every call ``base`` accepts: the same parameters in the same
+    order and kind, plus only ones with defaults (or ``*args``/``**kwargs``)."""
+    have, want = _parameters(override), _parameters(base)
+    kinds = {k for _, k, _ in have}
+    if inspect.Parameter.VAR_POSITIONAL in kinds and inspect.Parameter.VAR_KEYWORD in kinds:
+        return True
+    if [(n, k) for n, k, _ in have[: len(want)]] != [(n, k) for n, k, _ in want]:
+        return False
+    return all(
+        default or k in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        for _, k, default in have[len(want) :]
+    )
+
+
+def test_strategy_overrides_keep_their_base_signatures():
+    bad = []
+    for name in modules():
+        if not name.startswith("_parallel"):
+            continue
+        module = importlib.import_module(f"torchshard.{name}")
+        for cls in vars(module).values():
+            if not isinstance(cls, type) or cls.__module__ != module.__name__:
+                continue
+            for base in cls.__mro__[1:]:
+                if not base.__module__.startswith("torchshard."):
+                    continue
+                for attr, fn in vars(cls).items():
+                    theirs = vars(base).get(attr)
+                    if attr.startswith("__") or not (
+                        inspect.isfunction(fn) and inspect.isfunction(theirs)
+                    ):
+                        continue
+                    if not compatible(theirs, fn):
+                        bad.append(f"{cls.__qualname__}.{attr} vs {base.__qualname__}.{attr}")
+    assert not bad, f"overrides with another signature than their base: {bad}"
+
+
+def test_an_incompatible_override_is_seen():
+    class Base:
+        def gather(self, ctx): ...
+
+    class Ok(Base):
+        def gather(self, ctx, extra=1): ...
+
+    class Bad(Base):
+        def gather(self, u, *, wait): ...
+
+    assert compatible(Base.gather, Ok.gather)
+    assert not compatible(Base.gather, Bad.gather)

@@ -13,16 +13,19 @@ import torch
 import torch.distributed as dist
 
 from .._dist import backend_devices, choose_device, exchange_bytes
-from .._errors import RankMismatchError
+from .._errors import RankMismatchError, TorchShardError
 from .._flat.layout import FlatLayout
 from .._flat.module import FlatParamModule
 from .._flat.views import zero_gaps
+from .comm import Mesh1D
 from .seam import Storage
 
 __all__ = [
+    "all_reduce_flat",
     "assert_in_sync",
     "bind_buffers",
     "check_same_model",
+    "check_same_order",
     "native_mean",
     "pick_device",
 ]
@@ -193,3 +196,49 @@ def _bit_checksum(t: torch.Tensor) -> torch.Tensor:
         weights = torch.arange(start + 1, start + 1 + part.numel(), device=part.device) % 65521
         total = (total + (part * (weights + 1)).sum()) % (1 << 62)
     return total
+
+
+_REDUCE_OPS = {
+    "mean": dist.ReduceOp.SUM,
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+@torch.no_grad()
+def all_reduce_flat(
+    flat: torch.Tensor, op: str, mesh: Mesh1D, mean_op: dist.ReduceOp | None
+) -> None:
+    """Reduce ``flat`` over the mesh in place (``mean``, ``sum``, ``max`` or ``min``); a mean
+    by the backend's own average where it has one (``mean_op``), float16 divided first."""
+    if op not in _REDUCE_OPS:
+        raise TorchShardError(f"op: expected one of {sorted(_REDUCE_OPS)}, got {op!r}")
+    if mesh.size == 1:
+        return
+    if op == "mean" and mean_op is not None:
+        dist.all_reduce(flat, op=mean_op, group=mesh.group)
+        return
+    fp16 = flat.dtype == torch.float16  # a sum could overflow: divide first
+    if op == "mean" and fp16:
+        flat.div_(mesh.size)
+    dist.all_reduce(flat, op=_REDUCE_OPS[op], group=mesh.group)
+    if op == "mean" and not fp16:
+        flat.div_(mesh.size)
+
+
+def check_same_order(
+    digest: str | None, group: dist.ProcessGroup | None, device: torch.device
+) -> None:
+    """Raise :class:`RankMismatchError` on every rank if the ranks' digests of the
+    collectives they issued differ (``None``: a mode with one fixed order; nothing to do)."""
+    if digest is None or dist.get_world_size(group) == 1:
+        return
+    everyone = [r.decode() for r in exchange_bytes(digest.encode(), group, device)]
+    odd = [r for r, d in enumerate(everyone) if d != everyone[0]]
+    if odd:
+        raise RankMismatchError(
+            f"ranks {odd} issued other collectives than rank 0 (digests per communicator: "
+            f"rank 0 {everyone[0]}, rank {odd[0]} {everyone[odd[0]]}); every rank must run "
+            "the same modules in the same order (a branch taken on some ranks only?)"
+        )

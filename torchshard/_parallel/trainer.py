@@ -9,9 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._dist import Coordinator, exchange_bytes, init_distributed
-from .._errors import RankMismatchError, TorchShardError
-from .._exit import EXIT_TIMEOUT, destroy_group, drain, track, untrack
+from .._dist import Coordinator, init_distributed
+from .._errors import TorchShardError
+from .._exit import track, untrack
 from .._flat.geometry import Geometry
 from .._flat.module import FlatParamModule
 from .._log import get_logger
@@ -22,20 +22,21 @@ from .modes import Choice, choose, entry_for
 from .optim import GroupRule
 from .optim import param_groups as group_params
 from .seam import CommStats
-from .setup import assert_in_sync, check_same_model, native_mean, pick_device
+from .setup import (
+    all_reduce_flat,
+    assert_in_sync,
+    check_same_model,
+    check_same_order,
+    native_mean,
+    pick_device,
+)
 from .shards import LocalShards, MemoryStats
+from .teardown import teardown
 from .units import Unit, UnitSpec
 
 __all__ = ["CommStats", "DistributedTrainer"]
 
 logger = get_logger(__name__)
-
-_REDUCE_OPS = {
-    "mean": dist.ReduceOp.SUM,
-    "sum": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-}
 
 
 class DistributedTrainer:
@@ -282,21 +283,9 @@ class DistributedTrainer:
         """
         self._check_open()
         self._not_full("all_reduce_parameters()")
-        if op not in _REDUCE_OPS:
-            raise TorchShardError(f"op: expected one of {sorted(_REDUCE_OPS)}, got {op!r}")
-        if self.world_size == 1:
-            return
         flat = self.module.flat_param
         assert flat is not None
-        if op == "mean" and self._mean_op is not None:
-            dist.all_reduce(flat, op=self._mean_op, group=self._group)
-            return
-        fp16 = flat.dtype == torch.float16  # a sum could overflow: divide first
-        if op == "mean" and fp16:
-            flat.div_(self.world_size)
-        dist.all_reduce(flat, op=_REDUCE_OPS[op], group=self._group)
-        if op == "mean" and not fp16:
-            flat.div_(self.world_size)
+        all_reduce_flat(flat, op, self._mesh, self._mean_op)
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -497,18 +486,7 @@ class DistributedTrainer:
             trainer.check_collective_order()   # e.g. after the first steps of a new model
         """
         self._check_open()
-        digest = self._mode.order_digest()
-        if digest is None or self.world_size == 1:
-            return
-        mine = digest.encode()
-        everyone = [r.decode() for r in exchange_bytes(mine, self._group, self.device)]
-        odd = [r for r, d in enumerate(everyone) if d != everyone[0]]
-        if odd:
-            raise RankMismatchError(
-                f"ranks {odd} issued other collectives than rank 0 (digests per communicator: "
-                f"rank 0 {everyone[0]}, rank {odd[0]} {everyone[odd[0]]}); every rank must run "
-                "the same modules in the same order (a branch taken on some ranks only?)"
-            )
+        check_same_order(self._mode.order_digest(), self._group, self.device)
 
     @torch.no_grad()
     def assert_in_sync(self) -> None:
@@ -548,34 +526,15 @@ class DistributedTrainer:
         self._closed = True
         untrack(self)
         allow(getattr(self, "_params", ()))
-        coordinator = getattr(self, "_coordinator", None)  # None too when construction
-        reducer = getattr(self, "_reducer", None)  # failed half-way
-        if failed:
-            self.module._set_grad_listener(None)
-            if coordinator is not None:
-                coordinator.close()
-            return
-        if reducer is not None:
-            reducer.close()  # hooks off, collectives in flight waited for
-        device = getattr(self, "device", None)
-        if device is not None and device.type == "cuda":
-            # work.wait() on NCCL only orders streams: let collectives in flight finish
-            # before the group that runs them can be destroyed
-            torch.cuda.current_stream(device).synchronize()
-        if coordinator is not None:
-            late = coordinator.leave(EXIT_TIMEOUT)
-            if late:
-                logger.warning(
-                    "close(): rank %d leaves without ranks %s: they did not close within "
-                    "%.0f s, or stopped beating (their process died or froze)",
-                    self.rank,
-                    late,
-                    EXIT_TIMEOUT,
-                )
-        mode = getattr(self, "_mode", None)
-        for group in mode.own_groups() if mode is not None else ():
-            destroy_group(group)
-        drain()
+        mode = getattr(self, "_mode", None)  # None too when construction failed half-way
+        teardown(
+            self.module,
+            getattr(self, "_reducer", None),
+            getattr(self, "_coordinator", None),
+            mode.own_groups() if mode is not None else (),
+            getattr(self, "device", None),
+            failed=failed,
+        )
 
     def __enter__(self) -> DistributedTrainer:
         return self
