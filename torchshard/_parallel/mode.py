@@ -5,8 +5,8 @@ binds, broadcasts, launches gradient buckets in the same order on every rank, an
 the guards, the stats and the public methods. A :class:`Mode` owns what differs: where
 the weights live (:class:`~.seam.Storage`: one flat buffer for the bucket modes), how a
 bucket travels (its comm, :mod:`.comm`), how the mean is finished and what the optimizer
-updates (:class:`~.seam.UpdateShard`). ``shard=`` picks a mode once, at construction
-(``trainer._pick_mode``).
+updates (:class:`~.seam.UpdateShard`). ``shard=`` picks a mode once, at construction,
+from the registry (:mod:`.modes`).
 """
 
 from __future__ import annotations
