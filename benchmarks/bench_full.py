@@ -29,7 +29,7 @@ waiting for a core, which is why the collectives are compared in pairs, never al
    ranks. Target: <= 0.5 (issue 13). Each trainer's ``memory_bytes()`` and ``plan_memory()``
    are recorded beside it.
 2. **gloo collectives for one unit.** The fully sharded mode's two gloo strategies (an
-   internal choice, ``GLOO_COLLECTIVES``; no public option yet):
+   internal choice, ``FullyShard.native_gloo``; no public option yet):
    ``"owner"`` gathers a unit with one ``broadcast`` per owner and reduce-scatters its
    gradient with one ``reduce`` per owner (all launched, then waited for); ``"native"`` calls
    ``all_gather_single`` (in place: the rank's stripe is its input) and
