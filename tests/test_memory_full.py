@@ -220,7 +220,7 @@ def test_plan_is_what_the_trainer_holds(world):
             prefetch=prefetch,
             reshard_after_forward=reshard,
         )
-        assert ranks[0][k]["units"] == layout_units(layout)
+        assert list(ranks[0][k]["units"]) == layout_units(layout)
         for rank, r in enumerate(ranks):
             measured, planned = r[k]["memory"], plan[rank].as_dict()
             case = (rank, dtype, optimizer, prefetch, reshard)
