@@ -34,18 +34,20 @@ have to for the next test of a pytest process.
 
 from __future__ import annotations
 
+import faulthandler
 import math
 import os
 import pickle
 import random
 import tempfile
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import WorkerError, run_distributed
+from multiprocess import WorkerError, WorkerTimeout, run_distributed
 
 __all__ = ["CaseFailed", "Cases"]
 
@@ -54,9 +56,14 @@ class CaseFailed(RuntimeError):
     """Raised in a rank when one case's function raised, naming the case (the cause chained)."""
 
 
-def _run_cases(fn: Callable[..., Any], cases: list[tuple[str, tuple]], outdir: str) -> None:
+def _run_cases(
+    fn: Callable[..., Any], cases: list[tuple[str, tuple]], outdir: str, timeout: float
+) -> None:
     """In each rank: run ``cases`` in order, each from the state the rank started in; after
-    each, write its result to ``outdir/<index>.<rank>`` (so the parent sees how far it got)."""
+    each, write its result to ``outdir/<index>.<rank>`` (so the parent sees how far it got).
+    A case still running after ``timeout`` s writes every thread's stack to
+    ``outdir/<index>.<rank>.hung`` and exits the rank (faulthandler's watchdog: it fires
+    even while the rank waits in a collective)."""
     rank = dist.get_rank()
     rng, py_rng = torch.get_rng_state(), random.getstate()
     environ, cwd = dict(os.environ), os.getcwd()
@@ -66,12 +73,32 @@ def _run_cases(fn: Callable[..., Any], cases: list[tuple[str, tuple]], outdir: s
         os.environ.clear()
         os.environ.update(environ)
         os.chdir(cwd)
-        try:
-            value = fn(*args)
-        except BaseException as e:
-            raise CaseFailed(f"case {name} failed on rank {rank}") from e
+        with open(os.path.join(outdir, f"{i}.{rank}.hung"), "w") as hung:
+            faulthandler.dump_traceback_later(timeout, exit=True, file=hung)
+            try:
+                value = fn(*args)
+            except BaseException as e:
+                raise CaseFailed(f"case {name} failed on rank {rank}") from e
+            finally:
+                faulthandler.cancel_dump_traceback_later()
         with open(os.path.join(outdir, f"{i}.{rank}"), "wb") as f:
             pickle.dump(value, f)
+
+
+def _hung(
+    outdir: str, i: int, world_size: int, error: WorkerError, case: str, timeout: float
+) -> WorkerError:
+    """``error`` as a WorkerTimeout naming case ``i``'s ranks that hung, with their stacks."""
+    stacks = {}
+    for r in range(world_size):
+        with suppress(OSError), open(os.path.join(outdir, f"{i}.{r}.hung")) as f:
+            if text := f.read():
+                stacks[r] = text
+    if not stacks:
+        return error
+    head = f"case {case}: ranks {list(stacks)} did not finish within {timeout:g} s; their stacks:"
+    body = "".join(f"\n--- rank {r} ---\n{t.rstrip()}" for r, t in stacks.items())
+    return WorkerTimeout(head + body, stacks, error.pids, list(stacks))
 
 
 class Cases:
@@ -195,7 +222,8 @@ class Cases:
         out: dict[str, list[Any] | BaseException] = {}
         pending = list(cases)
         while pending:
-            timeout = min(self.timeout * len(pending), budget)
+            # an outer bound only: each rank's watchdog ends a hung case after self.timeout
+            timeout = min(self.timeout * len(pending) + 30, budget)
             with tempfile.TemporaryDirectory(prefix="cases-") as outdir:
                 error: WorkerError | None = None
                 try:
@@ -205,6 +233,7 @@ class Cases:
                         self.fn,
                         [(k, cases[k]) for k in pending],
                         outdir,
+                        self.timeout,
                         timeout=timeout,
                         **self.kwargs,
                     )
@@ -217,6 +246,8 @@ class Cases:
                         break
                     out[case] = [_load(p) for p in paths]
                     done += 1
+                if error is not None and done < len(pending):
+                    error = _hung(outdir, done, world_size, error, pending[done], self.timeout)
             if error is None and done == len(pending):
                 break
             # the first case not finished on every rank is where a rank failed or hung
