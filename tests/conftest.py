@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,8 +72,30 @@ def _require_timeouts(config: pytest.Config) -> None:
     )
 
 
+def _schedule_by_group(config: pytest.Config) -> None:
+    """With ``-n``: ``--dist loadgroup`` in place of xdist's default ``load``, in the order
+    the workers collected (see :func:`_ordered_for_workers`). The items that share one spawn
+    (``cases.Cases``) or one module-scoped fixture carry an ``xdist_group``: ``load`` would
+    spread them over the workers, and each worker would run the spawn or fixture again."""
+    if getattr(config.option, "numprocesses", None) and config.getoption("dist") == "load":
+        config.option.dist = "loadgroup"
+        config.option.loadscopereorder = False
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and workerinput.get("torchshard_loadgroup"):
+        # a worker takes loadgroup from the command line, not from the controller's options
+        config.option.loadgroup = True
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist, in the controller: tell each worker that the run schedules by group."""
+    if node.config.getoption("dist") == "loadgroup":
+        node.workerinput["torchshard_loadgroup"] = True
+
+
 def pytest_configure(config: pytest.Config) -> None:
     _require_timeouts(config)
+    _schedule_by_group(config)
     if gpus_requested(config):
         if _ORIGINAL is None:
             os.environ.pop(_HIDDEN, None)
@@ -92,7 +115,41 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
+def _module_fixture_group(item: pytest.Item) -> str | None:
+    """The group of an item that uses a fixture of its own module broader than a function
+    (a save, an oracle run): every item of the module that uses one runs on one worker."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    module = getattr(getattr(item, "module", None), "__name__", None)
+    for fixturedefs in defs.values():
+        for d in fixturedefs:
+            if d.scope != "function" and getattr(d.func, "__module__", None) == module:
+                return f"{module}-module-fixtures"
+    return None
+
+
+def _ordered_for_workers(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker scheduling by group: group the items that share a module-scoped
+    fixture, then put the longest work first so that the workers end together: the ``slow``
+    items (real launchers, mostly), then the groups (one spawn or fixture for many items),
+    then the rest in collection order. Every worker computes the same order."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        group = None if item.get_closest_marker("xdist_group") else _module_fixture_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+    def cost(item: pytest.Item) -> int:
+        if item.get_closest_marker("slow"):
+            return 0
+        return 1 if item.get_closest_marker("xdist_group") else 2
+
+    items.sort(key=cost)  # stable: collection order within each tier
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist names the groups in the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _ordered_for_workers(config, items)
     if gpus_requested(config):
         return
     skip = pytest.mark.skip(

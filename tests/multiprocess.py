@@ -25,6 +25,7 @@ Any failure raises WorkerError; a hang raises WorkerTimeout with each hung rank'
 from __future__ import annotations
 
 import faulthandler
+import importlib.util
 import multiprocessing as mp
 import os
 import pickle
@@ -39,6 +40,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -56,9 +58,17 @@ GRACE_PERIOD = 3.0  # after the first failure, seconds to collect other ranks' e
 # test module (box busy with other jobs): spawn 5.3 s (2 ranks) / 11 s (4); forkserver 0.10 s /
 # 0.18 s, once pytest (imported by every test module) is preloaded too (0.4 s / 0.8 s before).
 # Hence forkserver; TORCHSHARD_TEST_START_METHOD=spawn to compare. Never fork: parent threads.
+#
+# What the server imports once, so that no rank pays for it: besides torch, torch._dynamo
+# (every optimizer's add_param_group is @torch._disable_dynamo, which imports it at the first
+# optimizer a process builds: seconds of CPU per rank), torchshard and the reference model
+# (examples/gpt.py, on sys.path from conftest). This module comes last: importing it in the
+# server records what the preloads left there (_AT_IMPORT), and every rank checks that
+# record (_check_preloaded), since multiprocessing.forkserver.main skips a preload that
+# raises ImportError silently, and a server with a second thread must not fork.
+PRELOAD = ("torch", "torch.distributed", "torch.optim", "torch._dynamo", "pytest", "torchshard")
+_OPTIONAL = ("gpt", "sharded_harness", "models")  # where they are on sys.path (the suite's)
 _CTX = mp.get_context(os.environ.get("TORCHSHARD_TEST_START_METHOD", "forkserver"))
-if _CTX.get_start_method() == "forkserver":
-    _CTX.set_forkserver_preload(["torch", "torch.distributed", "pytest", __name__])
 
 
 class WorkerError(RuntimeError):
@@ -111,6 +121,7 @@ class _Config:
     sys_path: list[str]
     cwd: str
     tmpdir: str
+    preloads: tuple[str, ...]  # what the forkserver must have imported; () with spawn
 
 
 def _exit_when_parent_dies(alive: Connection) -> None:
@@ -119,9 +130,54 @@ def _exit_when_parent_dies(alive: Connection) -> None:
     os._exit(70)
 
 
-def _child(rank: int, cfg: _Config, conn: Connection, alive: Connection) -> None:
-    threading.Thread(target=_exit_when_parent_dies, args=(alive,), daemon=True).start()
+def _preloads() -> tuple[str, ...]:
+    """PRELOAD, and each optional module that this process's sys.path can import."""
+    found = tuple(m for m in _OPTIONAL if importlib.util.find_spec(m) is not None)
+    return (*PRELOAD, *found)
+
+
+def _check_preloaded(wanted: tuple[str, ...]) -> None:
+    """Raise unless this rank's forkserver imported ``wanted`` before this module, and forked
+    it while single-threaded (from _AT_IMPORT: in a rank, the server's record)."""
+    loaded, threads = _AT_IMPORT
+    missing = [m for m in wanted if m not in loaded]
+    if missing or threads != 1:
+        raise RuntimeError(
+            f"forkserver preload: expected {list(wanted)} imported by a single-threaded server, "
+            f"got {missing} not imported and {threads} threads; a preload that raises "
+            "ImportError is skipped silently: import each in a fresh interpreter to see why"
+        )
+
+
+# With forkserver, what its server imports: set here, before anything can start the server
+# (tests import this module after conftest put examples/ and tests/ on sys.path).
+_SERVER_PRELOADS = _preloads() if _CTX.get_start_method() == "forkserver" else ()
+if _SERVER_PRELOADS:
+    _CTX.set_forkserver_preload([*_SERVER_PRELOADS, __name__])
+
+
+def _start_server() -> None:
+    """Start the forkserver, if not running, with this process's sys.path: Python 3.11's
+    forkserver ignores the sys_path it is handed, so its preloads would see PYTHONPATH and
+    site-packages only (not tests/ and examples/, which conftest and pytest add)."""
+    if not _SERVER_PRELOADS:
+        return
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(sys.path)
     try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
+def _child(rank: int, cfg: _Config, conn: Connection, alive: Connection) -> None:
+    try:
+        if cfg.preloads:
+            _check_preloaded(cfg.preloads)  # first: before the thread below starts
+        threading.Thread(target=_exit_when_parent_dies, args=(alive,), daemon=True).start()
         os.environ.clear()
         os.environ.update(cfg.environ)
         n = str(cfg.world_size)
@@ -333,8 +389,10 @@ def run_distributed(
             list(sys.path),
             os.getcwd(),
             tmpdir,
+            _SERVER_PRELOADS,
         )
         try:
+            _start_server()
             for rank in range(world_size):
                 conns[rank], child_end = mp.Pipe(duplex=False)
                 procs[rank] = _CTX.Process(
@@ -365,3 +423,9 @@ def run_distributed(
             for c in [*conns.values(), alive_r, alive_w]:
                 c.close()
             del store  # the rendezvous server
+
+
+# Last, so that in the forkserver it records what the preloads before it left: the modules
+# imported and the threads running (see PRELOAD). In any other process: unused.
+# (Python threads: importing torch starts one native thread of its own, as it always did.)
+_AT_IMPORT = (frozenset(sys.modules), threading.active_count())

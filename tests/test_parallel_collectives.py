@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from cases import Cases
 from gpt import GPT, GPTConfig
 from multiprocess import run_distributed
 from probes import OBJECT_COLLECTIVES, Call, CollectiveLog
@@ -250,12 +251,20 @@ def _gather_in_place(numel: int, dtype_name: str, op: str) -> list[float]:
 
 
 OPS = [op for op in ("all_gather_into_tensor", "all_gather_single") if hasattr(dist, op)]
+IN_PLACE = Cases(_gather_in_place, params=["numel", "dtype", "op"], timeout=60)  # a spawn per world
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize(("world_size", "numel", "dtype"), [(2, 7, "float32"), (3, 16, "int64"), (3, 5, "bfloat16")])  # fmt: skip
-def test_all_gather_into_tensor_works_in_place_on_gloo(world_size, numel, dtype, op):
-    results = run_distributed(_gather_in_place, world_size, numel, dtype, op, timeout=60)
+@pytest.mark.parametrize(
+    ("world_size", "numel", "dtype"),
+    [
+        pytest.param(2, 7, "float32", marks=IN_PLACE.marks(2, cases=len(OPS))),
+        pytest.param(3, 16, "int64", marks=IN_PLACE.marks(3, cases=2 * len(OPS))),
+        pytest.param(3, 5, "bfloat16", marks=IN_PLACE.marks(3, cases=2 * len(OPS))),
+    ],
+)
+def test_all_gather_into_tensor_works_in_place_on_gloo(request, world_size, numel, dtype, op):
+    results = IN_PLACE.results(request)
     assert all(r == results[0] for r in results)
 
 

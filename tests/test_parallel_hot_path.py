@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from cases import Cases
 from gpt import GPT, GPTConfig
 from multiprocess import run_distributed
 from probes import HostReads
@@ -56,7 +57,7 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _count_host_reads(
-    shard: bool | str, dtype: str, unused: bool, read_in_a_hook: bool = False
+    shard: bool | str, dtype: str, unused: bool = False, read_in_a_hook: bool = False
 ) -> dict[str, int]:
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -87,28 +88,47 @@ def _count_host_reads(
     return dict(total)
 
 
+def _reads_with_an_unused_parameter(shard: bool | str) -> dict[str, int]:
+    return _count_host_reads(shard, "float32", unused=True)
+
+
+def _reads_with_a_read_in_a_hook(shard: bool | str) -> dict[str, int]:
+    return _count_host_reads(shard, "float32", read_in_a_hook=True)
+
+
+# each test's cases in one spawn of 2 ranks
+EVERY_PARAMETER_USED = Cases(
+    _count_host_reads, params=["shard", "dtype"], timeout=120, world_size=2
+)
+UNUSED = Cases(_reads_with_an_unused_parameter, params=["shard"], timeout=120, world_size=2)
+IN_A_HOOK = Cases(_reads_with_a_read_in_a_hook, params=["shard"], timeout=120, world_size=2)
+
+
 @pytest.mark.parametrize("shard", [False, True, "full"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_no_host_reads_in_a_step_with_every_parameter_used(shard, dtype):
-    reads = run_distributed(_count_host_reads, 2, shard, dtype, False, timeout=120)
+@EVERY_PARAMETER_USED.mark(cases=6)
+def test_no_host_reads_in_a_step_with_every_parameter_used(request, shard, dtype):
+    reads = EVERY_PARAMETER_USED.results(request)
     assert reads == [{}, {}]
 
 
 @pytest.mark.parametrize("shard", [False, True, "full"])
-def test_the_counter_sees_the_read_an_unused_parameter_needs(shard):
+@UNUSED.mark(cases=3)
+def test_the_counter_sees_the_read_an_unused_parameter_needs(request, shard):
     # The rank without the spare head's gradient must learn whether another rank has one:
     # it builds the mask from a Python list and reads the reduced mask back. The rank that
     # used everything reads nothing. (Shows the counter would catch a read.)
-    reads = run_distributed(_count_host_reads, 2, shard, "float32", True, timeout=120)
+    reads = UNUSED.results(request)
     assert reads[0] == {}
     assert reads[1].get("tolist", 0) >= 2 and reads[1].get("lift_fresh", 0) >= 2, reads
 
 
 @pytest.mark.parametrize("shard", [False, True, "full"])
-def test_the_counter_sees_a_read_in_a_forward_hook(shard):
+@IN_A_HOOK.mark(cases=3)
+def test_the_counter_sees_a_read_in_a_forward_hook(request, shard):
     # A read in a block's forward pre-hook, where the fully sharded mode gathers that block:
     # counted once a step (2 steps counted), on every rank.
-    reads = run_distributed(_count_host_reads, 2, shard, "float32", False, True, timeout=120)
+    reads = IN_A_HOOK.results(request)
     assert reads == [{"_local_scalar_dense": 2}] * 2, reads
 
 

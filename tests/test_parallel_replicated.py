@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from cases import Cases
 from gpt import GPT, GPTConfig
 from multiprocess import run_distributed
 from torch import nn
@@ -96,10 +97,13 @@ def _parity_with_ddp(case: str, steps: int = 10) -> list[float]:
     return diffs
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+PARITY = Cases(_parity_with_ddp, params=["case"], timeout=120)  # a spawn per world size
+
+
+@pytest.mark.parametrize("world_size", PARITY.world_sizes(2, 3, cases=4))
 @pytest.mark.parametrize("case", ["plain", "no_sync", "unused", "frozen"])
-def test_matches_ddp_every_step(case, world_size):
-    diffs = run_distributed(_parity_with_ddp, world_size, case, timeout=120)
+def test_matches_ddp_every_step(request, case, world_size):
+    diffs = PARITY.results(request)
     assert len(diffs) == world_size and all(len(d) == 10 for d in diffs)
     if world_size == 2:
         assert max(max(d) for d in diffs) == 0.0

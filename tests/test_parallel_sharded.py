@@ -8,6 +8,7 @@ import introspect
 import pytest
 import torch
 import torch.distributed as dist
+from cases import Cases
 from multiprocess import run_distributed
 from sharded_harness import CFG, KW, Model, batch, no_decay, torch_groups
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -303,7 +304,10 @@ def _measured_memory(shard: bool, dtype: torch.dtype, kind: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world_size", [1, 3, 4])
+MEMORY = Cases(_measured_memory, params=["shard", "dtype", "kind"], timeout=120)
+
+
+@pytest.mark.parametrize("world_size", MEMORY.world_sizes(1, 3, 4, cases=3))
 @pytest.mark.parametrize(
     ("shard", "dtype", "kind"),
     [
@@ -312,10 +316,10 @@ def _measured_memory(shard: bool, dtype: torch.dtype, kind: str) -> dict:
         (False, torch.float32, "adamw"),
     ],
 )
-def test_memory_plan_matches_what_the_trainer_allocates(world_size, shard, dtype, kind):
+def test_memory_plan_matches_what_the_trainer_allocates(request, world_size, shard, dtype, kind):
     from torchshard import FlatLayout, plan_memory
 
-    measured = run_distributed(_measured_memory, world_size, shard, dtype, kind, timeout=120)
+    measured = MEMORY.results(request)
     model = Model()
     model.wpe.weight.requires_grad_(False)
     layout = FlatLayout.from_module(model, dtype=dtype)

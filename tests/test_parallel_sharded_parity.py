@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_distributed
+from cases import Cases
 from sharded_harness import Heads, Model, batch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -131,12 +131,13 @@ CASES = [
     *[pytest.param(c, True, id=c) for c in ("no_sync", "unused", "frozen", *CLIPS)],
     *[pytest.param(c, "full", id=f"{c}-full") for c in CLIPS],
 ]
+PARITY = Cases(_parity_with_ddp, params=["case", "shard"], timeout=180)  # a spawn per world size
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", PARITY.world_sizes(2, 3, cases=len(CASES)))
 @pytest.mark.parametrize(("case", "shard"), CASES)
-def test_sharded_matches_ddp_every_step(case, shard, world_size):
-    results = run_distributed(_parity_with_ddp, world_size, case, shard, timeout=180)
+def test_sharded_matches_ddp_every_step(request, case, shard, world_size):
+    results = PARITY.results(request)
     if world_size == 2 and case != "clip_2":
         assert all(r["worst"] == 0.0 for r in results), results
     if case == "unused":
@@ -209,16 +210,18 @@ def _nonfinite_gradient(value: float, norm_type: float, shard: bool | str) -> di
     return out
 
 
+NONFINITE = Cases(_nonfinite_gradient, params=["value", "norm_type", "shard"], timeout=180)
+
+
 @pytest.mark.parametrize("shard", [True, "full"], ids=["sharded", "full"])
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", NONFINITE.world_sizes(2, 3, cases=8))
 @pytest.mark.parametrize(
     ("value", "norm_type"),
     [(math.inf, 2.0), (math.nan, 2.0), (math.inf, math.inf), (math.nan, math.inf)],
     ids=["inf-2norm", "nan-2norm", "inf-maxnorm", "nan-maxnorm"],
 )
-def test_nonfinite_gradient_raises_on_every_rank(world_size, value, norm_type, shard):
-    args = (value, norm_type, shard)
-    results = run_distributed(_nonfinite_gradient, world_size, *args, timeout=180)
+def test_nonfinite_gradient_raises_on_every_rank(request, world_size, value, norm_type, shard):
+    results = NONFINITE.results(request)
     for rank, r in enumerate(results):
         assert "ddp" in r, f"rank {rank}: the oracle did not raise: {r}"
         assert "message" in r, f"rank {rank}: no TorchShardError, though DDP raised: {r}"
