@@ -62,19 +62,6 @@ class Context:
     def global_rank(self, rank: int) -> int:
         return self.mesh.global_rank(rank)
 
-    # The spec read the old way, for the unit mode until it reads ``spec`` (its cut).
-    @property
-    def divide_first(self) -> bool:
-        return self.spec.pre != 1.0
-
-    @property
-    def mean_op(self) -> dist.ReduceOp.RedOpType | None:
-        return None if self.spec.op == dist.ReduceOp.SUM else self.spec.op
-
-    @property
-    def divides_after(self) -> bool:
-        return self.spec.post != 1.0
-
     @property
     def flat(self) -> torch.Tensor:
         assert self.fm.flat_param is not None

@@ -178,10 +178,9 @@ class UnitGradReducer:
         ctx = self.ctx
         grad = self._unit_grad(u)
         self.reduced[u] = True
-        if ctx.divide_first:
-            grad.mul_(1.0 / self.world)
+        ctx.spec.scale_before(grad)
         n = self.storage.geometries[u].per_rank
-        out, works = self.comm.reduce_scatter(u, grad, n, ctx.mean_op or dist.ReduceOp.SUM)
+        out, works = self.comm.reduce_scatter(u, grad, n, ctx.spec.op)
         self.unit_grad[u] = None
         self.inflight.append((u, works, out, grad))
         # one reduction in flight, one unit's gradient filling: at most two unit gradients
@@ -224,8 +223,7 @@ class UnitGradReducer:
             self.comm.order.log("m", 0)
             if not everywhere:
                 used = [bool(n) for n in self.mask.tolist()]
-        if ctx.divides_after:
-            self.stripe_grads.div_(self.world)
+        ctx.spec.scale_after(self.stripe_grads)
         globally = dict(zip(ctx.trainable, used))
         for i, a, b, piece in self.pieces:
             piece.grad = self.storage.stripe_of(self.stripe_grads, a, b) if globally[i] else None
