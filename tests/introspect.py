@@ -4,23 +4,20 @@ internals changes this file and no test.
 
 Usage::
 
-    from introspect import memory_stats, reset_peak_memory, units
+    import introspect
 
-    reset_peak_memory(trainer)                 # from here: training only
-    ...                                        # train
-    assert memory_stats(trainer).peak_transient <= bound
-    assert [u.name for u in units(trainer)][1] == "blocks.0"
+    geometries = introspect.unit_geometries(trainer)   # the fully sharded mode's stripes
 
-Where a public API will answer, the function says which (``TODO(public)``); until it is
-merged the function reads today's internals (``trainer._mode``: the mode object that
-``shard=`` chose, see ``torchshard/_parallel/mode.py``).
+What the trainer publishes is read through it, not here: ``trainer.memory_stats()``,
+``reset_peak_memory()``, ``units``, ``local_shards()``. The functions here read today's
+internals (``trainer._mode``: the mode object that ``shard=`` chose, see
+``torchshard/_parallel/modes.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,11 +26,9 @@ import torch.distributed as dist
 from torchshard import DistributedTrainer
 
 __all__ = [
-    "MemoryStats",
     "gloo_collectives",
     "made_groups",
     "master_slice",
-    "memory_stats",
     "mode_of",
     "own_groups",
     "record_unit_mode_calls",
@@ -41,7 +36,6 @@ __all__ = [
     "release_all",
     "replicated_grad_store",
     "replicated_with_comm",
-    "reset_peak_memory",
     "slice_range",
     "stripe_ranges",
     "stripes",
@@ -49,7 +43,6 @@ __all__ = [
     "unit_buffers",
     "unit_geometries",
     "unit_storage_bytes",
-    "units",
 ]
 
 
@@ -63,47 +56,11 @@ def mode_of(trainer: DistributedTrainer) -> Any:
     return trainer._mode
 
 
-# -- memory counters ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MemoryStats:
-    """Bytes this rank holds, as ``trainer.memory_stats()`` will return them.
-
-    Example::
-
-        m = memory_stats(trainer)
-        assert m.transient == 0 and m.peak_transient > 0
-    """
-
-    parameters: int
-    gradients: int
-    optimizer: int
-    master: int
-    transient: int
-    peak_transient: int
-
-
-def memory_stats(trainer: DistributedTrainer) -> MemoryStats:
-    """``trainer``'s memory counters: :meth:`memory_bytes` plus the peak of the unit buffers
-    (``shard="full"``; 0 in the other modes). TODO(public): ``trainer.memory_stats()``.
-
-    Example::
-
-        assert memory_stats(trainer).peak_transient <= 4 * block_bytes
-    """
-    m = trainer.memory_bytes()
-    return MemoryStats(
-        parameters=m["parameters"],
-        gradients=m["gradients"],
-        optimizer=m["optimizer"],
-        master=m["master"],
-        transient=m["transient"],
-        peak_transient=getattr(mode_of(trainer), "peak_transient", 0),
-    )
-
-
+# -- memory counters (the public ones: trainer.memory_stats(), reset_peak_memory()) --------
 def transient_bytes(trainer: DistributedTrainer) -> int:
     """Bytes of unit buffers allocated now, by the mode's own counter: cheap enough to read at
-    every op. TODO(public): ``trainer.memory_stats().transient``.
+    every op (``trainer.memory_stats().transient`` is the same number, with the whole
+    memory_bytes() around it).
 
     Example::
 
@@ -112,29 +69,7 @@ def transient_bytes(trainer: DistributedTrainer) -> int:
     return getattr(mode_of(trainer), "transient", 0)
 
 
-def reset_peak_memory(trainer: DistributedTrainer) -> None:
-    """Restart the peak of the transient counter from what is allocated now (as
-    ``torch.cuda.reset_peak_memory_stats``). TODO(public): ``trainer.reset_peak_memory()``.
-
-    Example::
-
-        reset_peak_memory(trainer)   # from here: training only
-    """
-    mode_of(trainer).reset_peak()
-
-
-# -- the fully sharded mode's units ------------------------------------------------------------
-def units(trainer: DistributedTrainer) -> tuple[Any, ...]:
-    """The units ``shard="full"`` resolved (``Unit``: name, lo, hi, root, kept), in layout
-    order. TODO(public): ``trainer.units``.
-
-    Example::
-
-        assert [u.name for u in units(trainer) if not u.kept] == ["blocks.0", "blocks.1"]
-    """
-    return tuple(mode_of(trainer).units)
-
-
+# -- the fully sharded mode's units (trainer.units is public) ---------------------------------
 def unit_geometries(trainer: DistributedTrainer) -> tuple[Any, ...]:
     """Each unit's stripe geometry (``Geometry``: ``total`` padded elements, ...), by unit.
 

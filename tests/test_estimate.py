@@ -11,7 +11,6 @@ import shlex
 import sys
 from pathlib import Path
 
-import introspect
 import pytest
 import torch
 from gpt import gpt_small
@@ -89,7 +88,7 @@ def _allocated(configs: dict[str, str]) -> dict[str, dict[str, int]]:
                     trainer.step()  # the optimizer's state exists from its first step on
                     out[f"{name} {dtype} {mode} {opt}"] = trainer.memory_bytes()
                     if shard == "full":
-                        peak = introspect.memory_stats(trainer).peak_transient
+                        peak = trainer.memory_stats().peak_transient
                         out[f"{name} {dtype} {mode} {opt} peak"] = peak
                     trainer.close()
     return out

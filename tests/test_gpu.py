@@ -35,7 +35,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import introspect
 import pytest
 import torch
 import torch.distributed as dist
@@ -96,7 +95,7 @@ def units_of(shard: bool | str, units: list[str]) -> dict[str, Any]:
 def assert_hooks_gather(trainer: DistributedTrainer) -> None:
     """The fully sharded mode has units to gather and free from hooks, not one kept root."""
     if trainer.shard == "full":
-        units = introspect.units(trainer)
+        units = trainer.units
         assert len(units) > 1 and sum(not u.kept for u in units) >= 2, units
 
 

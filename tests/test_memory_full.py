@@ -195,8 +195,8 @@ def _measured(cases: list) -> list[dict]:
         out.append(
             {
                 "memory": trainer.memory_bytes(),
-                "peak": introspect.memory_stats(trainer).peak_transient,
-                "units": introspect.units(trainer),
+                "peak": trainer.memory_stats().peak_transient,
+                "units": trainer.units,
                 # what the unit buffers hold in storage (the counter above is the mode's own)
                 "stored": introspect.unit_storage_bytes(trainer),
             }

@@ -97,7 +97,7 @@ def _parity(steps: int) -> dict:
     full.make_optimizer(torch.optim.AdamW, **ADAMW)
     rep.make_optimizer(torch.optim.AdamW, **ADAMW)
     ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
-    units = [(u.name, u.root, u.kept) for u in introspect.units(full)]
+    units = [(u.name, u.root, u.kept) for u in full.units]
     aux2 = {i for i, s in enumerate(full.module.layout.slots) if s.name.startswith("aux2.")}
     worst = {"ddp": 0.0, "replicated": 0.0}
     checked = 0
@@ -218,9 +218,9 @@ def _meta_init(hf: bool) -> dict:
         if shard == "full":
             item = t.module.dtype.itemsize
             largest = max(g.total for g in introspect.unit_geometries(t)) * item
-            out["peak"], out["largest"] = introspect.memory_stats(t).peak_transient, largest
+            out["peak"], out["largest"] = t.memory_stats().peak_transient, largest
             out["model"] = t.module.layout.numel * item
-            out["units"] = len(introspect.units(t))
+            out["units"] = len(t.units)
         got[shard] = weights(t)
         t.close()
     for a, b in zip(got[False], got["full"]):
@@ -321,7 +321,7 @@ def _variants() -> dict:
         torch.manual_seed(0)
         t = DistributedTrainer(FlatParamModule(cls(), align_bytes=4), shard="full", **kw)
         t.make_optimizer(torch.optim.AdamW, **ADAMW)
-        units[name] = [(u.name, u.kept) for u in introspect.units(t)]
+        units[name] = [(u.name, u.kept) for u in t.units]
         for step in range(3):
             t.zero_grad()
             t.module(*batch(rank, step))[1].backward()
@@ -389,7 +389,7 @@ def _peaks() -> dict:
             model.unused = nn.Linear(BIG.n_embd, 2)
         t = DistributedTrainer(FlatParamModule(model), shard="full", **kw)
         t.make_optimizer(torch.optim.AdamW, **ADAMW)
-        introspect.reset_peak_memory(t)  # from here: training only
+        t.reset_peak_memory()  # from here: training only
         idx = torch.randint(
             0,
             BIG.vocab_size,
@@ -405,11 +405,11 @@ def _peaks() -> dict:
             assert unit_storage(t) == 0, name  # nothing stays gathered between steps
         assert not storage.undercounted, (name, storage.undercounted)
         item = t.module.dtype.itemsize
-        geoms = list(zip(introspect.units(t), introspect.unit_geometries(t)))
+        geoms = list(zip(t.units, introspect.unit_geometries(t)))
         blocks = [g.total * item for u, g in geoms if not u.kept]
         kept = sum(g.total * item for u, g in geoms if u.kept)
         out[name] = {
-            "peak": introspect.memory_stats(t).peak_transient,
+            "peak": t.memory_stats().peak_transient,
             "stored": storage.peak,  # the unit weights alone, measured
             "block": max(blocks),
             "n": len(blocks),
@@ -526,7 +526,7 @@ def _tied_across_units() -> dict:
         ref_opt.step()
         for (s, p), a in zip(_named(ref, full), weights(full)):
             assert torch.equal(a, p), (step, s.name)
-    kept = [u.name for u in introspect.units(full) if u.kept and not u.root]
+    kept = [u.name for u in full.units if u.kept and not u.root]
     full.close()
     return {"kept": kept}
 
