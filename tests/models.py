@@ -22,6 +22,21 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx[:, :-1], idx[:, 1:]
 
 
+class GPTWithAux(GPT):
+    """The GPT plus an auxiliary head that a test can leave unused on some ranks and steps
+    (``use_aux=False``): the used-parameter mask then has news."""
+
+    def __init__(self, cfg: GPTConfig = CFG) -> None:
+        super().__init__(cfg)
+        self.aux = torch.nn.Linear(cfg.n_embd, 1)
+
+    def forward(self, idx, targets, use_aux=True):  # type: ignore[override]
+        logits, loss = super().forward(idx, targets)
+        if use_aux:
+            loss = loss + self.aux(self.wte(idx)).pow(2).mean()
+        return logits, loss
+
+
 class Blocks(torch.nn.Module):
     """The README's fully sharded block's shape: an input layer, ``n`` residual blocks in a
     ``ModuleList`` (the fully sharded mode's units by default) and a head."""

@@ -32,10 +32,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from cases import Cases
-from gpt import GPT, GPTConfig
+from gpt import GPTConfig
+from models import GPTWithAux
 from multiprocess import run_distributed
 from probes import OBJECT_COLLECTIVES, Call, CollectiveLog
-from torch import nn
 
 import torchshard
 from torchshard import DistributedTrainer, FlatParamModule, checkpoint
@@ -94,20 +94,6 @@ def flat_descriptions(call: Call) -> list[tuple[int, str, bool, str]]:
 
 
 # -- the workers --------------------------------------------------------------------------------
-class GPTWithAux(GPT):
-    """The tiny GPT plus a head that some phases use on one rank only."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__(cfg)
-        self.aux = nn.Linear(cfg.n_embd, 1)
-
-    def forward(self, idx, targets, use_aux=True):  # type: ignore[override]
-        logits, loss = super().forward(idx, targets)
-        if use_aux:
-            loss = loss + self.aux(self.wte(idx)).pow(2).mean()
-        return logits, loss
-
-
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 * rank + step)
     idx = torch.randint(0, CFG.vocab_size, (2, CFG.block_size + 1), generator=g)

@@ -18,7 +18,8 @@ import introspect
 import pytest
 import torch
 import torch.distributed as dist
-from gpt import GPT, GPTConfig
+from gpt import GPTConfig
+from models import GPTWithAux
 from multiprocess import run_distributed
 from torch import nn
 from torch.futures import Future, collect_all
@@ -116,20 +117,6 @@ def _deliver(result: Future[torch.Tensor]):  # type: ignore[no-untyped-def]
     return deliver
 
 
-class GPTWithHead(GPT):
-    """The tiny GPT plus a head that rank 1 skips in odd steps (the mask has news then)."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__(cfg)
-        self.aux = nn.Linear(cfg.n_embd, 1)
-
-    def forward(self, idx, targets, use_aux=True):  # type: ignore[override]
-        logits, loss = super().forward(idx, targets)
-        if use_aux:
-            loss = loss + self.aux(self.wte(idx)).pow(2).mean()
-        return logits, loss
-
-
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1_000 * rank + step)
     idx = torch.randint(0, CFG.vocab_size, (3, CFG.block_size + 1), generator=g)
@@ -143,7 +130,7 @@ def _flat(model: nn.Module) -> torch.Tensor:
 def _two_stage_trains_like_all_reduce(steps: int = 4) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(0)
-    ref = GPTWithHead(CFG)
+    ref = GPTWithAux(CFG)
     ddp = DDP(copy.deepcopy(ref), find_unused_parameters=True)
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     plain_fm, star_fm = FlatParamModule(copy.deepcopy(ref)), FlatParamModule(copy.deepcopy(ref))

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from cases import Cases
 from gpt import GPT, GPTConfig
+from models import GPTWithAux
 from multiprocess import run_distributed
 from probes import HostReads
 from torch import nn
@@ -34,20 +35,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torchshard import DistributedTrainer, FlatParamModule, TorchShardError
 
 CFG = GPTConfig.preset("tiny")
-
-
-class WithSpare(GPT):
-    """The tiny GPT plus a head that one rank skips in the steps that ask for it."""
-
-    def __init__(self) -> None:
-        super().__init__(CFG)
-        self.spare = nn.Linear(CFG.n_embd, 1)
-
-    def forward(self, idx, targets, use_spare=True):  # type: ignore[override]
-        logits, loss = super().forward(idx, targets)
-        if use_spare:
-            loss = loss + self.spare(self.wte(idx)).pow(2).mean()
-        return logits, loss
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +48,7 @@ def _count_host_reads(
 ) -> dict[str, int]:
     rank = dist.get_rank()
     torch.manual_seed(0)
-    fm = FlatParamModule(WithSpare(), dtype=getattr(torch, dtype))
+    fm = FlatParamModule(GPTWithAux(CFG), dtype=getattr(torch, dtype))
     trainer = DistributedTrainer(fm, shard=shard, bucket_mb=0.01)
     # SGD reads nothing back (torch's single-tensor AdamW reads its step with .item())
     trainer.make_optimizer(torch.optim.SGD, lr=1e-2, momentum=0.9)
@@ -76,8 +63,8 @@ def _count_host_reads(
         counter = HostReads()
         with counter:
             trainer.zero_grad()
-            # the spare head: used everywhere, or (unused=True) skipped by rank 1
-            loss = fm(*batch(rank, step), use_spare=not (unused and rank == 1))[1]
+            # the aux head: used everywhere, or (unused=True) skipped by rank 1
+            loss = fm(*batch(rank, step), use_aux=not (unused and rank == 1))[1]
             loss.backward()
             trainer.average_gradients()
             trainer.clip_grad_norm_(1.0)
@@ -115,7 +102,7 @@ def test_no_host_reads_in_a_step_with_every_parameter_used(request, shard, dtype
 @pytest.mark.parametrize("shard", [False, True, "full"])
 @UNUSED.mark(cases=3)
 def test_the_counter_sees_the_read_an_unused_parameter_needs(request, shard):
-    # The rank without the spare head's gradient must learn whether another rank has one:
+    # The rank without the aux head's gradient must learn whether another rank has one:
     # it builds the mask from a Python list and reads the reduced mask back. The rank that
     # used everything reads nothing. (Shows the counter would catch a read.)
     reads = UNUSED.results(request)
@@ -198,7 +185,7 @@ def _native_mean_matches_ddp(shard: bool | str) -> int:
     _emulate_avg(calls)
     trainer_module.native_mean = lambda group, device: dist.ReduceOp.AVG
     torch.manual_seed(0)
-    ref = WithSpare()
+    ref = GPTWithAux(CFG)
     model = copy.deepcopy(ref)
     ddp = DDP(ref, find_unused_parameters=True)
     ref_opt = torch.optim.SGD(ddp.parameters(), lr=1e-1)
@@ -206,10 +193,10 @@ def _native_mean_matches_ddp(shard: bool | str) -> int:
     trainer = DistributedTrainer(fm, shard=shard, bucket_mb=0.01)
     opt = trainer.make_optimizer(torch.optim.SGD, lr=1e-1)
     for step in range(4):
-        use = not (step % 2 and rank == 1)  # the spare head is unused on rank 1 every other step
+        use = not (step % 2 and rank == 1)  # the aux head is unused on rank 1 every other step
         for net, o in ((fm, opt), (ddp, ref_opt)):
             o.zero_grad()
-            net(*batch(rank, step), use_spare=use)[1].backward()
+            net(*batch(rank, step), use_aux=use)[1].backward()
             trainer.step() if net is fm else o.step()
         with trainer.gathered():  # fully sharded: the weights exist inside this only
             for (name, p), q in zip(model.named_parameters(), ref.parameters()):
