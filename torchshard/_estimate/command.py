@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 from .._parallel.modes import MODES
@@ -71,34 +72,25 @@ def parse_override(item: str) -> tuple[str, Any]:
         return key, raw
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _number(cast: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Callable:
+    """An argparse ``type``: ``cast(text)`` when ``ok`` holds for it, else the error naming
+    ``what`` was expected."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
-    return value
+_positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+_count = _number(int, lambda v: v >= 0, "an integer >= 0")
+_fraction = _number(float, lambda v: 0.0 <= v < 1.0, "a fraction in [0, 1)")
 
 
 def _device_memory(text: str) -> int:
