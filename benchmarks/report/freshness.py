@@ -51,6 +51,8 @@ MEASURES: dict[str, tuple[str, ...]] = {
         "benchmarks/scale.py",
         "torchshard/_flat",
         "torchshard/_parallel/memory.py",
+        "torchshard/_parallel/footprint.py",  # plan_memory's models (memory.py reads them)
+        "torchshard/_parallel/modes.py",  # the registry memory.py resolves shard= through
         "torchshard/_parallel/units.py",
         "torchshard/checkpoint",
     ),
