@@ -77,7 +77,7 @@ def unit_geometries(trainer: DistributedTrainer) -> tuple[Any, ...]:
 
         largest = max(g.total for g in unit_geometries(trainer)) * itemsize
     """
-    return tuple(mode_of(trainer).geometries)
+    return tuple(mode_of(trainer).storage.geometries)
 
 
 def unit_buffers(trainer: DistributedTrainer) -> tuple[torch.Tensor, ...]:
@@ -109,7 +109,7 @@ def stripes(trainer: DistributedTrainer) -> torch.Tensor:
 
         assert stripes(trainer).dtype == torch.float32
     """
-    return mode_of(trainer).stripe_weights
+    return mode_of(trainer).storage.stripe_weights
 
 
 def stripe_ranges(trainer: DistributedTrainer) -> list[tuple[int, int]]:
@@ -119,7 +119,7 @@ def stripe_ranges(trainer: DistributedTrainer) -> list[tuple[int, int]]:
 
         held = sum(b - a for a, b in stripe_ranges(trainer))
     """
-    return list(mode_of(trainer).stripes())
+    return mode_of(trainer).storage.stripe_ranges()
 
 
 def release_all(trainer: DistributedTrainer) -> None:
@@ -130,7 +130,7 @@ def release_all(trainer: DistributedTrainer) -> None:
         stripes(trainer).copy_(saved)
         release_all(trainer)
     """
-    mode_of(trainer).release_all()
+    mode_of(trainer).storage.release_all()
 
 
 def made_groups(trainer: DistributedTrainer) -> bool:

@@ -33,7 +33,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..._errors import TorchShardError
-from ..._flat.geometry import Geometry
 from ..._flat.module import FlatParamModule
 from ..buckets import Bucket
 from ..mode import Context, Mode, Segment
@@ -139,21 +138,6 @@ class FullyShard(Mode):
         return self.storage
 
     @property
-    def geometries(self) -> list[Geometry]:
-        """Each unit's stripe geometry, by unit."""
-        return self._adopted().geometries
-
-    @property
-    def stripe_offsets(self) -> list[int]:
-        """Where each unit's stripe starts in :attr:`stripe_weights`."""
-        return self._adopted().stripe_offsets
-
-    @property
-    def stripe_weights(self) -> torch.Tensor:
-        """This rank's stripes of every unit, in the master dtype: what the optimizer updates."""
-        return self._adopted().stripe_weights
-
-    @property
     def transient(self) -> int:
         """Bytes of unit buffers and unit gradients held now."""
         return self.storage.transient if self.storage is not None else 0
@@ -161,18 +145,6 @@ class FullyShard(Mode):
     @property  # type: ignore[override]
     def peak_transient(self) -> int:
         return self.storage.peak_transient if self.storage is not None else 0
-
-    def stripes(self) -> list[tuple[int, int]]:
-        """This rank's ``[a, b)`` of the flat buffer, one per unit, clipped to the unit."""
-        return self._adopted().stripe_ranges()
-
-    def release_all(self) -> None:
-        """Free every gathered unit (their stripes changed other than by a step)."""
-        self._adopted().release_all()
-
-    def regather(self) -> None:
-        """Gather again, from the stripes, the units materialized now."""
-        self._adopted().regather()
 
     def gather(self, ctx: Context) -> None:
         """The stripes changed (a load, an edit of ``trainer.optimizer_segments()``): the
