@@ -99,7 +99,12 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
     # the fully sharded mode, one way: collectives -> storage -> grads / init -> schedule -> mode
     "_parallel.full.collectives": {"_parallel.reducer"},
     "_parallel.full.storage": {"_parallel.full.collectives", "_parallel.units"},
-    "_parallel.full.grads": {"_errors", "_parallel.full.storage", "_parallel.mode"},
+    "_parallel.full.grads": {
+        "_errors",
+        "_parallel.comm",
+        "_parallel.full.storage",
+        "_parallel.mode",
+    },
     "_parallel.full.init": {
         "_flat.hf",
         "_flat.layout",

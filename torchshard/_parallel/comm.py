@@ -20,7 +20,15 @@ from torch.futures import Future
 
 from .buckets import Bucket
 
-__all__ = ["AllReduce", "BucketComm", "Mesh1D", "ReduceSpec", "ReduceToOwner", "settled"]
+__all__ = [
+    "AllReduce",
+    "BucketComm",
+    "Mesh1D",
+    "ReduceSpec",
+    "ReduceToOwner",
+    "fill_mask",
+    "settled",
+]
 
 
 @dataclass(frozen=True)
@@ -132,6 +140,23 @@ class BucketComm(Protocol):
         completes once ``view`` holds the result wherever this comm delivers it. No host
         synchronization here."""
         ...
+
+
+def fill_mask(mask: torch.Tensor, used: list[bool]) -> bool:
+    """Write the used-parameter mask (1 where this rank has a gradient) on the device; True
+    when every parameter is used: then a kernel fills it (no host-to-device copy) and the
+    reduced mask is all ones, nothing to read back.
+
+    Example::
+
+        if not fill_mask(mask, used):
+            ...   # reduce it, then read it back: some rank may lack a gradient
+    """
+    if all(used):
+        mask.fill_(1)
+        return True
+    mask.copy_(torch.tensor(used, dtype=mask.dtype))
+    return False
 
 
 def settled(work: dist.Work, result: torch.Tensor) -> Future[torch.Tensor]:

@@ -20,7 +20,7 @@ from torch.futures import Future
 from .._errors import TorchShardError
 from .._flat.layout import FlatLayout
 from .buckets import Bucket
-from .comm import BucketComm, settled
+from .comm import BucketComm, fill_mask, settled
 from .seam import CommStats, Context, UpdateShard
 
 __all__ = ["BucketReducer", "CommStats", "mask_room"]
@@ -130,11 +130,9 @@ class BucketReducer:
         now, so the mask is final."""
         assert self._store is not None and self._fused is not None
         ctx = self.ctx
-        used = [ctx.params[i].grad is not None for i in ctx.trainable]
-        if all(used):  # always so when launched inside backward: a kernel, no host sync
-            self._fused.fill_(1)
-        else:  # from average_gradients(), which reads the mask back anyway
-            self._fused.copy_(torch.tensor(used, dtype=self._fused.dtype))
+        # all used (a kernel, no host sync) whenever launched inside backward; otherwise
+        # from average_gradients(), which reads the mask back anyway
+        fill_mask(self._fused, [ctx.params[i].grad is not None for i in ctx.trainable])
         # Reduced with the bucket's spec: scaled, or averaged, each entry is a fraction, not
         # a count; only "nonzero" (some rank used it) is ever read.
         self._sent = True
@@ -156,10 +154,7 @@ class BucketReducer:
                 mask, self._sent = self._fused, False
             else:
                 mask = self._mask
-                if everywhere:
-                    mask.fill_(1)
-                else:
-                    mask.copy_(torch.tensor(used, dtype=mask.dtype))
+                fill_mask(mask, used)
                 work = dist.all_reduce(mask, group=ctx.group, async_op=True)
                 self.futures.append(settled(work, mask))
             t0 = time.perf_counter()

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..._errors import TorchShardError
+from ..comm import fill_mask
 from ..mode import Context
 from .storage import UnitBuffers, slot_units
 
@@ -213,12 +214,8 @@ class UnitGradReducer:
         ctx = self.ctx
         self._drain()
         used = [self.used[i] for i in ctx.trainable]
-        everywhere = all(used)
         if self.world > 1:
-            if everywhere:
-                self.mask.fill_(1)
-            else:
-                self.mask.copy_(torch.tensor(used, dtype=self.mask.dtype))
+            everywhere = fill_mask(self.mask, used)
             dist.all_reduce(self.mask, group=ctx.group)
             self.comm.order.log("m", 0)
             if not everywhere:
