@@ -57,6 +57,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
     "_parallel.comm": {"_parallel.buckets"},
     "_parallel.seam": {"_flat.geometry", "_flat.module", "_parallel.comm", "_parallel.shards"},
     "_parallel.mode": {
+        "_errors",
         "_flat.geometry",
         "_flat.module",
         "_parallel.buckets",
@@ -68,6 +69,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_parallel.units",
     },
     "_parallel.optim": {"_flat.layout", "_parallel.seam"},
+    "_parallel.scaler": {"_parallel.comm"},
     "_parallel.shards": set(),
     "_parallel.replicated": {"_parallel.comm", "_parallel.mode"},
     "_parallel.sharded": {
@@ -139,6 +141,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_parallel.mode",
         "_parallel.modes",
         "_parallel.optim",
+        "_parallel.scaler",
         "_parallel.seam",
         "_parallel.setup",
         "_parallel.shards",

@@ -11,7 +11,8 @@ import hashlib
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -180,6 +181,58 @@ class FlatLayout:
     def align(self) -> int:
         """The alignment in elements: every offset (and every rank boundary) is a multiple."""
         return self.align_bytes // self.torch_dtype.itemsize
+
+    @cached_property
+    def grad_layout(self) -> FlatLayout:
+        """Where the trainable parameters' gradients live: the trainable slots alone, in
+        layout order, each at an offset aligned as here (the layout itself when every
+        parameter trains). Frozen parameters cost no gradient, bucket, reduction, optimizer
+        state or master copy: those all live in this space.
+
+        Example::
+
+            layout.grad_layout.numel   # 131072 for rank-8 LoRA on 8 frozen Linear(1024, 1024)
+            layout.grad_layout.slots[k].name == layout.slots[layout.trainable[k]].name
+        """
+        if all(s.requires_grad for s in self.slots):
+            return self
+        align, offset, slots = self.align, 0, []
+        for s in self.slots:
+            if s.requires_grad:
+                slots.append(replace(s, offset=offset))
+                offset = _round_up(offset + s.numel, align)
+        return FlatLayout(tuple(slots), self.dtype, self.align_bytes, offset)
+
+    @cached_property
+    def trainable(self) -> tuple[int, ...]:
+        """Indices of the slots that train, in layout order (``grad_layout``'s slots)."""
+        return tuple(i for i, s in enumerate(self.slots) if s.requires_grad)
+
+    def trainable_runs(self) -> list[tuple[int, int, int]]:
+        """Maximal runs of trainable slots that lie back to back in both spaces:
+        ``(start, end, grad_start)``, flat ``[start, end)`` being the gradient space's
+        ``[grad_start, grad_start + end - start)`` (alignment gaps inside included).
+
+        Example::
+
+            [(0, 16, 0)] == FlatLayout.from_module(nn.Linear(4, 3)).trainable_runs()
+        """
+        runs: list[tuple[int, int, int]] = []
+        grad = self.grad_layout
+        for k, i in enumerate(self.trainable):
+            s, g = self.slots[i], grad.slots[k]
+            prev = runs[-1] if runs else None
+            if (
+                prev is not None
+                and k > 0
+                and self.trainable[k - 1] == i - 1
+                and _round_up(prev[1], self.align) == s.offset
+                and prev[2] + _round_up(prev[1], self.align) - prev[0] == g.offset
+            ):
+                runs[-1] = (prev[0], s.end, prev[2])
+            else:
+                runs.append((s.offset, s.end, g.offset))
+        return runs
 
     @property
     def param_numel(self) -> int:

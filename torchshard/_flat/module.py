@@ -117,11 +117,24 @@ class FlatParamModule(nn.Module):
 
     @property
     def flat_grad(self) -> torch.Tensor | None:
-        """The flat gradient buffer, ``numel`` elements (``None`` before :meth:`bind`).
+        """The flat gradient buffer (``None`` before :meth:`bind` or when nothing trains):
+        the trainable parameters' gradients alone, laid out by :attr:`FlatLayout.grad_layout`
+        (``grad_numel`` elements; the same offsets as the weights when every parameter
+        trains). Frozen parameters take no room in it.
 
         A region whose parameter shows ``.grad is None`` holds stale values.
         """
         return self._grad
+
+    @property
+    def grad_numel(self) -> int:
+        """Elements a gradient buffer needs: the trainable parameters plus alignment.
+
+        Example::
+
+            fm.grad_numel * fm.dtype.itemsize   # bytes of gradient; 0 when everything is frozen
+        """
+        return self.layout.grad_layout.numel
 
     @property
     def is_bound(self) -> bool:
@@ -156,9 +169,10 @@ class FlatParamModule(nn.Module):
 
         Args:
             flat: 1-D contiguous tensor of ``self.dtype`` with at least ``self.numel`` elements.
-            grad: optional gradient buffer like ``flat`` that does not overlap it;
-                allocated (``numel`` elements) when omitted and any parameter trains; its
-                padding and frozen parameters' regions are zeros.
+            grad: optional gradient buffer of at least ``grad_numel`` elements (the
+                trainable parameters' gradients, :attr:`flat_grad`), on ``flat``'s device and
+                not overlapping it; allocated when omitted and any parameter trains; its
+                padding is zeros.
 
         Example::
 
@@ -173,8 +187,9 @@ class FlatParamModule(nn.Module):
         # whole-buffer move by _apply); only the views are rebuilt.
         self._check_buffer("flat", flat)
         trains = any(s.requires_grad for s in self.layout)
+        grad_layout = self.layout.grad_layout
         if grad is not None:
-            self._check_buffer("grad", grad)
+            self._check_buffer("grad", grad, grad_layout.numel)
             if grad.device != flat.device:
                 raise BindError(
                     f"grad: expected a buffer on {flat.device} like flat, got one on {grad.device}"
@@ -184,10 +199,11 @@ class FlatParamModule(nn.Module):
         elif trains:
             # Left unfaulted: a parameter's region is written when its first
             # gradient arrives, so host memory grows only as gradients are touched.
-            grad = torch.empty(self.numel, dtype=self.dtype, device=flat.device)
-            zero_gaps(grad, self.layout)
+            grad = torch.empty(grad_layout.numel, dtype=self.dtype, device=flat.device)
+            zero_gaps(grad, grad_layout)
 
         replaced: list[tuple[str, weakref.ref[torch.Tensor], int]] = []
+        in_grad = dict(zip(self.layout.trainable, grad_layout.slots))
 
         def take_over(index: int, slot: ParamSlot, old: torch.Tensor, new: nn.Parameter) -> None:
             if copy and old.device.type != "meta":
@@ -195,7 +211,8 @@ class FlatParamModule(nn.Module):
                 replaced.append((slot.name, weakref.ref(old), old.nbytes))
             if slot.requires_grad:
                 assert grad is not None
-                gview = grad[slot.offset : slot.end].view(slot.shape)
+                g = in_grad[index]
+                gview = grad[g.offset : g.end].view(slot.shape)
                 if old.grad is not None:
                     if copy:
                         gview.copy_(old.grad)
@@ -232,23 +249,23 @@ class FlatParamModule(nn.Module):
             )
         self._grad_listener[0] = None if listener is None else weakref.WeakMethod(listener)
 
-    def _check_buffer(self, what: str, t: torch.Tensor) -> None:
+    def _check_buffer(self, what: str, t: torch.Tensor, numel: int | None = None) -> None:
+        numel = self.numel if numel is None else numel
+        attr = "fm.numel" if numel == self.numel else "fm.grad_numel"
         if not isinstance(t, torch.Tensor):
             raise BindError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 1 or not t.is_contiguous():
             raise BindError(
                 f"{what}: expected a contiguous 1-D tensor, got shape {tuple(t.shape)}; "
-                f"allocate it as torch.empty({self.numel}, dtype={self.dtype})"
+                f"allocate it as torch.empty({numel}, dtype={self.dtype})"
             )
         if t.dtype != self.dtype:
             raise BindError(
                 f"{what}: expected dtype {self.dtype}, got {t.dtype}; "
                 "allocate it with dtype=fm.dtype or wrap with FlatParamModule(..., dtype=...)"
             )
-        if t.numel() < self.numel:
-            raise BindError(
-                f"{what}: expected at least {self.numel} elements (fm.numel), got {t.numel()}"
-            )
+        if t.numel() < numel:
+            raise BindError(f"{what}: expected at least {numel} elements ({attr}), got {t.numel()}")
         if t.device.type == "meta":
             raise BindError(f"{what}: expected a buffer with storage, got one on the meta device")
 

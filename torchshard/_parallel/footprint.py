@@ -178,43 +178,50 @@ class MemoryModel(Protocol):
 
 
 def _flat_plan(layout: FlatLayout, world_size: int, req: Request, sliced: bool) -> list[RankMemory]:
-    """One flat buffer and its gradient on every rank; the state of every trainable element,
-    or (``sliced``) of the rank's padded slice with its master copy."""
+    """One flat buffer on every rank, and a gradient for the trainable parameters alone
+    (``layout.grad_layout``); the state of every trainable element, or (``sliced``) of the
+    rank's padded slice of the gradient space with its master copy (and, when some
+    parameters are frozen, a copy of the trainable weights laid out like the gradient)."""
     per_element, scalars = OPTIMIZER_STATES[req.optimizer]
     dtype = layout.torch_dtype
-    geometry = Geometry.of(layout, world_size, pad=sliced)
-    flat_bytes = geometry.total * dtype.itemsize
+    grads = layout.grad_layout
+    flat_bytes = Geometry.of(layout, world_size, pad=sliced).total * dtype.itemsize
+    space = Geometry.of(grads, world_size, pad=sliced)
+    grad_bytes = space.total * dtype.itemsize if grads.slots else 0
     master = sliced and dtype != req.master_dtype
     state_item = req.master_dtype.itemsize if master else dtype.itemsize
-    trainable = [s for s in layout if s.requires_grad]
+    copy = grad_bytes if sliced and grads is not layout else 0
     out = []
-    for rank, (a, b) in enumerate(geometry.ranges()):
+    for rank, (a, b) in enumerate(space.ranges()):
         if sliced:
-            parts = [min(s.end, b) - max(s.offset, a) for s in trainable]
+            parts = [min(s.end, b) - max(s.offset, a) for s in grads]
             parts = [p for p in parts if p > 0]
             slice_master = 2 * (b - a) * req.master_dtype.itemsize if master else 0
         else:
-            parts = [s.numel for s in trainable]
+            parts = [s.numel for s in grads]
             slice_master = 0
         opt = per_element * sum(parts) * state_item + scalars * 4 * len(parts)
-        out.append(RankMemory(rank, flat_bytes, flat_bytes, opt, slice_master))
+        out.append(RankMemory(rank, flat_bytes, grad_bytes, opt, slice_master + copy))
     return out
 
 
-def _bracket(layout: FlatLayout, req: Request, fixed: int, size: int, n: int) -> tuple[int, int]:
-    """``fixed`` plus the state of the average rank (below) or of a whole slice of ``size``
-    elements with a scalar for every parameter (above): the worst rank lies between."""
+def _bracket(
+    layout: FlatLayout, req: Request, fixed: int, size: int, n: int, grad_item: int = 0
+) -> tuple[int, int]:
+    """``fixed`` plus the state (and, ``grad_item`` bytes each, the gradients) of the average
+    rank's trainable elements (below) or of a whole slice of ``size`` elements with a scalar
+    for every parameter (above): the worst rank lies between."""
     per_element, scalars = OPTIMIZER_STATES[req.optimizer]
-    state_item = req.state_dtype(layout.torch_dtype).itemsize
+    per = per_element * req.state_dtype(layout.torch_dtype).itemsize + grad_item
     trainable = [s.numel for s in layout if s.requires_grad]
-    low = fixed + -(-per_element * state_item * sum(trainable) // n)
-    high = fixed + per_element * state_item * size + scalars * 4 * len(trainable)
+    low = fixed + -(-per * sum(trainable) // n)
+    high = fixed + per * size + scalars * 4 * len(trainable)
     return low, high
 
 
 class Whole:
-    """Every rank holds the whole buffer, its gradient and the state of every trainable
-    element: nothing depends on the world size (the replicated mode)."""
+    """Every rank holds the whole buffer, the trainable parameters' gradient and the state
+    of every trainable element: nothing depends on the world size (the replicated mode)."""
 
     divided = False
     floor_note = ""  # none: the floor is the total, at every world size
@@ -231,8 +238,9 @@ class Whole:
 
 
 class Slices:
-    """The whole buffer and gradient on every rank; optimizer state (and its master copy in
-    ``master_dtype``) for the rank's slice of the buffer padded to equal slices."""
+    """The whole buffer and the trainable parameters' gradient on every rank; optimizer
+    state (and its master copy in ``master_dtype``) for the rank's slice of the gradient
+    space padded to equal slices."""
 
     divided = True
     floor_note = "the full parameters and gradients, which every rank holds, take"
@@ -242,14 +250,17 @@ class Slices:
 
     def bounds(self, layout: FlatLayout, world_size: int, req: Request) -> tuple[int, int]:
         dtype = layout.torch_dtype
-        padded = Geometry.of(layout, world_size, pad=True).total
+        grads = layout.grad_layout
+        padded = Geometry.of(grads, world_size, pad=True).total
         size = padded // world_size  # every slice has this length
-        fixed = 2 * padded * dtype.itemsize
+        fixed = Geometry.of(layout, world_size, pad=True).total * dtype.itemsize
+        fixed += (1 if grads is layout else 2) * padded * dtype.itemsize if grads.slots else 0
         fixed += 2 * size * req.master_dtype.itemsize if dtype != req.master_dtype else 0
         return _bracket(layout, req, fixed, size, world_size)
 
     def floor(self, layout: FlatLayout, req: Request) -> int:
-        return 2 * layout.numel * layout.torch_dtype.itemsize  # padding only adds
+        # padding only adds; the parameters and the trainable ones' gradients
+        return (layout.numel + layout.grad_layout.numel) * layout.torch_dtype.itemsize
 
 
 class Stripes:
@@ -281,8 +292,10 @@ class Stripes:
                         elements += n
                         pieces += 1
             opt = per_element * elements * shard_dtype.itemsize + scalars * 4 * pieces
-            held = stripe if own else 0
-            out.append(RankMemory(rank, held, held, opt, 0 if own else 2 * stripe, transient))
+            # with frozen parameters, gradients for the trainable parts of the stripes only
+            grads = elements * shard_dtype.itemsize if layout.grad_layout is not layout else stripe
+            held = (stripe, grads) if own else (0, 0)
+            out.append(RankMemory(rank, *held, opt, 0 if own else stripe + grads, transient))
         return out
 
     def bounds(self, layout: FlatLayout, world_size: int, req: Request) -> tuple[int, int]:
@@ -290,8 +303,11 @@ class Stripes:
         geoms = [unit_geometry(u, world_size, layout.align) for u in req.units]
         size = sum(g.per_rank for g in geoms)  # the rank's stripes
         state_item = req.state_dtype(layout.torch_dtype).itemsize
-        fixed = 2 * size * state_item + self._transient(layout, req, [g.total for g in geoms])
-        return _bracket(layout, req, fixed, size, world_size)
+        fixed = size * state_item + self._transient(layout, req, [g.total for g in geoms])
+        if layout.grad_layout is layout:  # gradients for the whole stripes
+            return _bracket(layout, req, fixed + size * state_item, size, world_size)
+        # gradients for the stripes' trainable parts only
+        return _bracket(layout, req, fixed, size, world_size, grad_item=state_item)
 
     def floor(self, layout: FlatLayout, req: Request) -> int:
         return self._transient(layout, req, [u.numel for u in req.units])  # unpadded

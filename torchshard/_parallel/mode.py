@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
+from .._errors import TorchShardError
 from .._flat.geometry import Geometry
 from .._flat.module import FlatParamModule
 from .buckets import Bucket, plan_buckets
@@ -27,7 +29,7 @@ from .setup import bind_buffers
 from .shards import LocalShards
 from .units import Unit
 
-__all__ = ["Context", "Mode", "Segment", "summed_norm", "wire_gradients"]
+__all__ = ["Context", "Mode", "Segment", "clip_grad_norm", "summed_norm", "wire_gradients"]
 
 
 def summed_norm(local: torch.Tensor, norm_type: float, mesh: Mesh1D) -> torch.Tensor:
@@ -45,6 +47,29 @@ def summed_norm(local: torch.Tensor, norm_type: float, mesh: Mesh1D) -> torch.Te
     power = local.pow(norm_type)
     dist.all_reduce(power, group=mesh.group)
     return power.pow(1.0 / norm_type)
+
+
+def clip_grad_norm(
+    mode: Mode, ctx: Context, max_norm: float, norm_type: float, error_if_nonfinite: bool
+) -> torch.Tensor:
+    """Scale the gradient ``mode`` holds on this rank to a total norm of at most
+    ``max_norm`` (over every rank's part); the norm before (``trainer.clip_grad_norm_``).
+
+    Example::
+
+        total = clip_grad_norm(mode, ctx, 1.0, 2.0, False)
+    """
+    grad = mode.local_grad(ctx)
+    if grad is None:
+        return torch.zeros((), device=ctx.device)
+    total = mode.norm(ctx, grad, float(norm_type))
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise TorchShardError(
+            f"the total gradient norm is {total.item()}; set error_if_nonfinite=False to clip anyway"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    grad.mul_(coef.to(grad.dtype))
+    return total
 
 
 class Mode:
@@ -105,8 +130,10 @@ class Mode:
         meta-built model), weights broadcast from ``src``; the parameters by slot."""
         mesh = Mesh1D.of(group)
         n = Geometry.of(fm.layout, mesh.size, pad=self.pads).total
+        grad_n = Geometry.of(fm.layout.grad_layout, mesh.size, pad=self.pads).total
         fuse = self._fresh and mesh.size > 1 and self.comm_type.fuses_mask
-        self._grad_store = bind_buffers(fm, n, device, init_fn, mask_room(fm.layout) if fuse else 0)
+        room = mask_room(fm.layout) if fuse else 0
+        self._grad_store = bind_buffers(fm, n, device, init_fn, room, grad_n)
         if mesh.size > 1:
             assert fm.flat_param is not None
             dist.broadcast(fm.flat_param, mesh.global_rank(src), group=group)
@@ -205,7 +232,6 @@ def wire_gradients(
     fm: FlatParamModule,
     mesh: Mesh1D,
     device: torch.device,
-    geometry: Geometry,
     params: tuple[torch.nn.Parameter, ...],
     bucket_bytes: float,
     native: dist.ReduceOp.RedOpType | None,
@@ -217,13 +243,17 @@ def wire_gradients(
 
     Example::
 
-        ctx, buckets, sync = wire_gradients(mode, fm, mesh, device, geometry, params,
+        ctx, buckets, sync = wire_gradients(mode, fm, mesh, device, params,
                                             25 * 2**20, native_mean(group, device))
     """
     spec = ReduceSpec.of(mesh.size, fm.dtype, native, prefer_pre=mode.divides_first)
-    trainable = tuple(i for i, s in enumerate(fm.layout.slots) if s.requires_grad)
-    ctx = Context(fm, mesh, device, geometry, params, trainable, spec)
+    trainable = fm.layout.trainable
+    # gradients, buckets and the optimizer's part live in the trainable slots' space
+    grads = Geometry.of(fm.layout.grad_layout, mesh.size, pad=mode.pads)
+    ctx = Context(fm, mesh, device, grads, params, trainable, spec)
     cuts = mode.bucket_cuts(ctx)
-    buckets = plan_buckets(fm.layout, bucket_bytes, total=geometry.total, cuts=cuts)
+    planned = plan_buckets(fm.layout.grad_layout, bucket_bytes, total=grads.total, cuts=cuts)
+    # a bucket names its parameters by their slot in the layout
+    buckets = tuple(replace(b, slots=tuple(trainable[k] for k in b.slots)) for b in planned)
     mode.setup(ctx, buckets)
     return ctx, buckets, mode.grad_sync(ctx, buckets)

@@ -61,7 +61,10 @@ class BucketReducer:
         store: torch.Tensor | None = None,
     ) -> None:
         self.ctx, self.update, self.buckets, self.comm = ctx, update, buckets, comm
-        self.slot_buckets: list[list[int]] = [[] for _ in ctx.fm.layout.slots]
+        layout = ctx.fm.layout
+        self.in_grad = dict(zip(layout.trainable, layout.grad_layout.slots))
+        """Each trainable slot's place in the gradient."""
+        self.slot_buckets: list[list[int]] = [[] for _ in layout.slots]
         for b in buckets:
             for i in b.slots:
                 self.slot_buckets[i].append(b.index)
@@ -113,8 +116,8 @@ class BucketReducer:
         if not in_backward:
             # Parameters without a gradient on this rank contribute zeros.
             for i in bucket.slots:
-                s = ctx.fm.layout.slots[i]
-                if s.requires_grad and ctx.params[i].grad is None:
+                s = self.in_grad.get(i)
+                if s is not None and ctx.params[i].grad is None:
                     grad[s.offset : s.end].zero_()
         if ctx.world_size > 1:
             view = grad[bucket.start : bucket.end]
@@ -169,7 +172,7 @@ class BucketReducer:
         for i in ctx.trainable:
             p = ctx.params[i]
             if globally_used[i] and p.grad is None:
-                s = ctx.fm.layout.slots[i]
+                s = self.in_grad[i]
                 p.grad = ctx.grad[s.offset : s.end].view(s.shape)
         self.update.attach_grads(ctx, globally_used)
         self.stats.steps += 1

@@ -40,6 +40,7 @@ class Context:
     mesh: Mesh1D
     device: torch.device
     geometry: Geometry
+    """The gradient space (``fm.layout.grad_layout``: the trainable slots) over the ranks."""
     params: tuple[torch.nn.Parameter, ...]
     """The module's parameters (views of the flat buffer), by slot."""
     trainable: tuple[int, ...]

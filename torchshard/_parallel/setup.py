@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .._dist import backend_devices, choose_device, exchange_bytes
-from .._errors import RankMismatchError, TorchShardError
+from .._errors import LayoutError, RankMismatchError, TorchShardError, and_more
 from .._flat.layout import FlatLayout
 from .._flat.module import FlatParamModule
 from .._flat.views import zero_gaps
@@ -24,6 +24,7 @@ __all__ = [
     "all_reduce_flat",
     "assert_in_sync",
     "bind_buffers",
+    "check_requires_grad",
     "check_same_model",
     "check_same_order",
     "native_mean",
@@ -72,9 +73,11 @@ def bind_buffers(
     device: torch.device,
     init_fn: Callable[[torch.nn.Module], None] | None,
     room: int = 0,
+    grad_n: int | None = None,
 ) -> torch.Tensor | None:
-    """Bind ``fm`` to buffers of ``n`` elements on ``device`` (initializing a meta-built model),
-    or keep its buffers when they are already there and large enough.
+    """Bind ``fm`` to a weight buffer of ``n`` elements and a gradient buffer of ``grad_n``
+    (default ``n``) on ``device`` (initializing a meta-built model), or keep its buffers when
+    they are already there and large enough.
 
     ``room``: elements to keep just before a newly allocated gradient (the reducer's
     used-parameter mask, which then rides in the bucket at 0). Returns that store,
@@ -84,28 +87,30 @@ def bind_buffers(
 
         store = bind_buffers(fm, geometry.total, device, None, room=mask_room(fm.layout))
     """
+    grad_n = n if grad_n is None else grad_n
     if fm.is_bound:
         if fm.device != device:
             fm.to(device)
         flat, grad = fm.flat_param, fm.flat_grad
         assert flat is not None
-        if flat.numel() >= n and (grad is None or grad.numel() >= n):
+        if flat.numel() >= n and (grad is None or grad.numel() >= grad_n):
             return None
         # Too small for the padded slices: move into buffers that are not.
         big = flat if flat.numel() >= n else torch.zeros(n, dtype=fm.dtype, device=device)
-        fm.bind(big, torch.zeros(n, dtype=fm.dtype, device=device))
+        fm.bind(big, torch.zeros(grad_n, dtype=fm.dtype, device=device))
         return None
+    grad = fm.layout.grad_layout
     was_meta = any(p.is_meta for p in fm.module.parameters())
     flat = torch.empty(n, dtype=fm.dtype, device=device)
     # alignment gaps and padding: all-gathered and broadcast, so defined (and a buffer
     # that is bitwise the same before a save and after its load)
     zero_gaps(flat, fm.layout, frozen=False)
     flat[fm.numel :].zero_()
-    store = torch.zeros(room + n, dtype=fm.dtype, device=device)
-    fm.bind(flat, store[room:])
+    store = torch.zeros(room + grad_n, dtype=fm.dtype, device=device) if grad.slots else None
+    fm.bind(flat, store[room:] if store is not None else None)
     if was_meta:
         fm.init_weights(init_fn)
-    return store if room else None
+    return store if room and store is not None else None
 
 
 def check_same_model(
@@ -241,4 +246,22 @@ def check_same_order(
             f"ranks {odd} issued other collectives than rank 0 (digests per communicator: "
             f"rank 0 {everyone[0]}, rank {odd[0]} {everyone[odd[0]]}); every rank must run "
             "the same modules in the same order (a branch taken on some ranks only?)"
+        )
+
+
+def check_requires_grad(layout: FlatLayout, params: tuple[torch.nn.Parameter, ...]) -> None:
+    """Raise :class:`LayoutError` naming the parameters whose ``requires_grad`` changed after
+    wrapping: the gradient has room for the parameters that trained then (one that trains
+    now would get a gradient nothing reduces; one frozen now, room nothing fills).
+
+    Example::
+
+        check_requires_grad(fm.layout, params)   # before every reduction is finished
+    """
+    changed = [s.name for s, p in zip(layout.slots, params) if p.requires_grad != s.requires_grad]
+    if changed:
+        raise LayoutError(
+            f"parameters {and_more(changed)}: requires_grad changed after FlatParamModule(model) "
+            "laid them out (gradients exist for the parameters that trained then); set "
+            "requires_grad before wrapping"
         )

@@ -1,10 +1,11 @@
 """Sharded-optimizer mode (FSDP-lite: ZeRO-1 memory, ZeRO-2 communication).
 
-Each rank owns one contiguous, equal slice of the padded flat buffer. A bucket
-never crosses a slice boundary, and is reduced to its slice's owner during
-backward; the optimizer updates the pieces of the rank's slice (in an fp32
-master copy when the buffer is lower precision); after its step every rank's
-slice is all-gathered.
+Each rank owns one contiguous, equal slice of the padded gradient space (the trainable
+parameters, ``layout.grad_layout``; the flat buffer itself when every parameter trains).
+A bucket never crosses a slice boundary, and is reduced to its slice's owner during
+backward; the optimizer updates the pieces of the rank's slice (in an fp32 master copy
+when the buffer is lower precision); after its step every rank's slice is all-gathered.
+Frozen parameters are broadcast once and never reduced, updated or gathered.
 """
 
 from __future__ import annotations
@@ -31,17 +32,36 @@ class ShardedOptimizer(Mode):
         self.master_dtype = master_dtype
         self._master: torch.Tensor | None = None
         self._master_grad: torch.Tensor | None = None
-        self._pieces: list[tuple[int, int, int, torch.nn.Parameter]] = []
+        self._weights: torch.Tensor | None = None  # the trainable weights, when some are frozen
+        self._runs: list[tuple[int, int, int]] = []  # flat [a, b) = weights [c, c + b - a)
+        self._pieces: list[tuple[int, int, int, torch.nn.Parameter]] = []  # gradient space
         self.bytes_gathered = 0
 
     def bucket_cuts(self, ctx: Context) -> tuple[int, ...]:
         return tuple(a for a, _ in ctx.geometry.ranges())
 
     def setup(self, ctx: Context, buckets: tuple[Bucket, ...]) -> None:
+        layout = ctx.fm.layout
+        if layout.grad_layout is not layout:
+            # Frozen parameters lie between trainable ones: the optimizer's slices are cut
+            # from a copy of the trainable weights alone, laid out like their gradients.
+            self._runs = layout.trainable_runs()
+            self._weights = torch.zeros(ctx.geometry.total, dtype=ctx.flat.dtype, device=ctx.device)
+            self._copy_in(ctx)
         if ctx.fm.dtype != self.master_dtype:
             s0, e0 = ctx.geometry.range(ctx.rank)
-            self._master = ctx.flat[s0:e0].to(self.master_dtype, copy=True)
+            self._master = self._space(ctx)[s0:e0].to(self.master_dtype, copy=True)
             self._master_grad = torch.zeros_like(self._master)
+
+    def _space(self, ctx: Context) -> torch.Tensor:
+        """The weights laid out like the gradient: the flat buffer, or the trainable copy."""
+        return ctx.flat if self._weights is None else self._weights
+
+    @torch.no_grad()
+    def _copy_in(self, ctx: Context) -> None:
+        assert self._weights is not None
+        for a, b, c in self._runs:
+            self._weights[c : c + b - a].copy_(ctx.flat[a:b])
 
     def make_comm(self, ctx: Context) -> BucketComm:
         """Each bucket reduced to the owner of its slice (a bucket never crosses a slice)."""
@@ -60,13 +80,13 @@ class ShardedOptimizer(Mode):
 
     # -- the rank's slice -----------------------------------------------------------------
     def _slice(self, ctx: Context, t: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        """Elements ``[a, b)`` of the flat buffer, in ``t``, a tensor over this rank's slice."""
+        """Elements ``[a, b)`` of the gradient space, in ``t``, a tensor over this rank's slice."""
         s0 = ctx.geometry.range(ctx.rank)[0]
         return t[a - s0 : b - s0]
 
     def _params(self, ctx: Context) -> torch.Tensor:
         s0, e0 = ctx.geometry.range(ctx.rank)
-        return self._master if self._master is not None else ctx.flat[s0:e0]
+        return self._master if self._master is not None else self._space(ctx)[s0:e0]
 
     def local_grad(self, ctx: Context) -> torch.Tensor:
         s0, e0 = ctx.geometry.range(ctx.rank)
@@ -74,14 +94,19 @@ class ShardedOptimizer(Mode):
 
     def optimizer_tensors(self, ctx: Context) -> list[Segment]:
         s0, e0 = ctx.geometry.range(ctx.rank)
+        layout = ctx.fm.layout
         if not self._pieces:
-            for i in ctx.trainable:
-                s = ctx.fm.layout.slots[i]
-                a, b = max(s.offset, s0), min(s.end, e0)
+            for i, g in zip(layout.trainable, layout.grad_layout.slots):
+                a, b = max(g.offset, s0), min(g.end, e0)
                 if a < b:
                     piece = torch.nn.Parameter(self._slice(ctx, self._params(ctx), a, b))
                     self._pieces.append((i, a, b, piece))
-        return list(self._pieces)
+        # what the optimizer updates, as ranges of the flat buffer
+        shift = {
+            i: layout.slots[i].offset - g.offset
+            for i, g in zip(layout.trainable, layout.grad_layout.slots)
+        }
+        return [(i, a + shift[i], b + shift[i], piece) for i, a, b, piece in self._pieces]
 
     def attach_grads(self, ctx: Context, used: dict[int, bool]) -> None:
         grad = self.local_grad(ctx)
@@ -99,19 +124,21 @@ class ShardedOptimizer(Mode):
 
     @torch.no_grad()
     def gather(self, ctx: Context) -> None:
-        """Copy the master slice into the flat buffer and all-gather every rank's slice."""
-        flat = ctx.flat
+        """Copy the master slice into the weights and all-gather every rank's slice."""
+        space = self._space(ctx)
         s0, e0 = ctx.geometry.range(ctx.rank)
         if self._master is not None:
-            flat[s0:e0].copy_(self._master)
-        if ctx.world_size == 1:
-            return
-        # In place, one call on every backend (gloo implements it too since torch 2.x, at
-        # the speed of a list all_gather): rank r's slice is input and output at offset
-        # r * per_rank, NCCL's in-place condition. all_gather_single is its 2.13 name.
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(flat[: ctx.geometry.total], flat[s0:e0], group=ctx.group)
-        self.bytes_gathered += ctx.geometry.total * flat.element_size()
+            space[s0:e0].copy_(self._master)
+        if ctx.world_size > 1:
+            # In place, one call on every backend (gloo implements it too since torch 2.x,
+            # at the speed of a list all_gather): rank r's slice is input and output at
+            # offset r * per_rank, NCCL's in-place condition. all_gather_single is its 2.13
+            # name.
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(space[: ctx.geometry.total], space[s0:e0], group=ctx.group)
+            self.bytes_gathered += ctx.geometry.total * space.element_size()
+        for a, b, c in self._runs:  # the trainable copy back into the module's weights
+            ctx.flat[a:b].copy_(space[c : c + b - a])
 
     def zero_grad(self) -> None:
         for *_, piece in self._pieces:
@@ -119,15 +146,34 @@ class ShardedOptimizer(Mode):
 
     @torch.no_grad()
     def refresh_master(self, ctx: Context) -> None:
+        if self._weights is not None:
+            self._copy_in(ctx)
         if self._master is not None:
             s0, e0 = ctx.geometry.range(ctx.rank)
-            self._master.copy_(ctx.flat[s0:e0])
+            self._master.copy_(self._space(ctx)[s0:e0])
 
     def local_shards(self, ctx: Context) -> LocalShards:
         numel = ctx.fm.layout.numel
-        every = ctx.geometry.clipped(numel)
-        return LocalShards.of(self._params(ctx), [(0, numel)], [every], ctx.rank, [0])
+        if self._weights is None:
+            every = ctx.geometry.clipped(numel)
+            return LocalShards.of(self._params(ctx), [(0, numel)], [every], ctx.rank, [0])
+        # each run of trainable parameters is a region of the flat buffer, cut where the
+        # ranks' slices of the gradient space cut it
+        ranges = ctx.geometry.ranges()
+        s0 = ranges[ctx.rank][0]
+        regions, every, offsets = [], [], []
+        for a, b, c in self._runs:
+            cuts = []
+            for x, y in ranges:
+                lo, hi = max(x, c), min(y, c + b - a)
+                cuts.append((a + lo - c, a + hi - c) if lo < hi else (a, a) if y <= c else (b, b))
+            regions.append((a, b))
+            every.append(cuts)
+            x = ranges[ctx.rank][0]
+            offsets.append(max(x, c) - s0)
+        return LocalShards.of(self._params(ctx), regions, every, ctx.rank, offsets)
 
     def master_bytes(self) -> int:
-        tensors = (self._master, self._master_grad)
+        """The master copy and its gradient, and the trainable weights' copy (if any)."""
+        tensors = (self._master, self._master_grad, self._weights)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)

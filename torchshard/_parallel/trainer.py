@@ -17,14 +17,16 @@ from .._flat.module import FlatParamModule
 from .._log import get_logger
 from .._stepped import allow, forbid, held_state_bytes
 from .comm import Mesh1D
-from .mode import Mode, Segment, wire_gradients
+from .mode import Mode, Segment, clip_grad_norm, wire_gradients
 from .modes import Choice, choose, entry_for
 from .optim import GroupRule
 from .optim import param_groups as group_params
+from .scaler import agree_on_inf, agreed_inf
 from .seam import CommStats
 from .setup import (
     all_reduce_flat,
     assert_in_sync,
+    check_requires_grad,
     check_same_model,
     check_same_order,
     native_mean,
@@ -163,12 +165,10 @@ class DistributedTrainer:
             fm,
             self._mesh,
             self.device,
-            self._geometry,
             self._params,
             bucket_mb * 2**20,
             self._mean_op,
         )
-        self._trainable = self._ctx.trainable
         self._optimizer: torch.optim.Optimizer | None = None
         self.group_names: list[list[str]] = []  # per param group of make_optimizer's optimizer
         self.stats = self._reducer.stats
@@ -205,6 +205,7 @@ class DistributedTrainer:
         ``fm.flat_grad`` is undefined); :meth:`step` calls this for you.
         """
         self._check_open()
+        check_requires_grad(self.module.layout, self._params)
         self._reducer.finish()
 
     @contextlib.contextmanager
@@ -300,17 +301,7 @@ class DistributedTrainer:
         self._check_open()
         if not self._reducer.averaged:
             self.average_gradients()
-        grad = self._mode.local_grad(self._ctx)
-        if grad is None:
-            return torch.zeros((), device=self.device)
-        total = self._mode.norm(self._ctx, grad, float(norm_type))
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise TorchShardError(
-                f"the total gradient norm is {total.item()}; set error_if_nonfinite=False to clip anyway"
-            )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        grad.mul_(coef.to(grad.dtype))
-        return total
+        return clip_grad_norm(self._mode, self._ctx, max_norm, norm_type, error_if_nonfinite)
 
     # -- optimizer (both modes; required in sharded mode) ------------------------------------
     def make_optimizer(
@@ -345,7 +336,7 @@ class DistributedTrainer:
             raise TorchShardError("make_optimizer: this trainer already has an optimizer")
         segments = self._mode.optimizer_tensors(self._ctx)
         param_groups, self.group_names = group_params(
-            self.module.layout, self._trainable, segments, list(groups or []), self.device
+            self.module.layout, self._ctx.trainable, segments, list(groups or []), self.device
         )
         self._optimizer = optimizer_class(param_groups, **defaults)
         return self._optimizer
@@ -364,20 +355,49 @@ class DistributedTrainer:
         return self._mode.optimizer_tensors(self._ctx)
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, scaler: torch.amp.GradScaler | None = None) -> None:
         """Average (reduce) the gradients if not done yet, step the optimizer, and in sharded
         mode write the updated slice back, all-gather every rank's slice, and drop the
-        module's full-size ``.grad`` (so ``optimizer.zero_grad()`` suffices, as usual)."""
-        self._check_open()
-        if self._optimizer is None:
-            raise TorchShardError("step(): build the optimizer with trainer.make_optimizer() first")
-        if not self._reducer.averaged:
-            self.average_gradients()
-        self._optimizer.step()
+        module's full-size ``.grad`` (so ``optimizer.zero_grad()`` suffices, as usual).
+
+        ``scaler``: a ``torch.amp.GradScaler`` (fp16): unscales first unless
+        :meth:`unscale_` did, and steps through it, so that every rank skips the step when
+        any rank found an inf or NaN. Call ``scaler.update()`` after, as usual.
+        """
+        self._averaged_for("step()")
+        if scaler is None:
+            self._optimizer.step()
+        else:
+            if not agreed_inf(scaler, self._optimizer):
+                self.unscale_(scaler)
+            scaler.step(self._optimizer)  # type: ignore[arg-type]
         before = self._mode.bytes_gathered
         self._mode.after_step(self._ctx)
         self.stats.bytes_gathered += self._mode.bytes_gathered - before
         self._reducer.averaged = False
+
+    @torch.no_grad()
+    def unscale_(self, scaler: torch.amp.GradScaler) -> None:
+        """``scaler.unscale_(optimizer)`` on every rank at once: each rank checks the gradients
+        it holds (its slice or stripes when sharded) and the ranks agree, so an inf or NaN
+        that any rank finds makes every rank skip :meth:`step` and lower the scale.
+
+        Example::
+
+            scaler = torch.amp.GradScaler("cuda")
+            for x, y in loader:
+                trainer.zero_grad()
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = loss_fn(fm(x), y)
+                scaler.scale(loss).backward()
+                trainer.unscale_(scaler)          # before clipping the true gradient
+                trainer.clip_grad_norm_(1.0)
+                trainer.step(scaler)              # skipped on every rank after an overflow
+                scaler.update()
+        """
+        self._averaged_for("unscale_()")
+        scaler.unscale_(self._optimizer)
+        agree_on_inf(scaler, self._optimizer, self._mesh, self.device)
 
     def gather_slices(self) -> None:
         """After this rank's part was changed other than by :meth:`step` (e.g. by a load):
@@ -541,6 +561,16 @@ class DistributedTrainer:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self._close(failed=exc_type is not None)
+
+    def _averaged_for(self, what: str) -> None:
+        """Before the optimizer runs: it exists, and the gradients are the mean."""
+        self._check_open()
+        if self._optimizer is None:
+            raise TorchShardError(
+                f"{what}: build the optimizer with trainer.make_optimizer() first"
+            )
+        if not self._reducer.averaged:
+            self.average_gradients()
 
     def _check_open(self) -> None:
         if self._closed:

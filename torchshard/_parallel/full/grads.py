@@ -58,8 +58,23 @@ class UnitGradReducer:
         self.reduce_order = [u for u in mine if not self.units[u].kept]
         self.reduce_order += [u for u in mine if self.units[u].kept]
         self.stats.buckets = len(self.reduce_order)
-        self.stripe_grads = torch.zeros_like(storage.stripe_weights)
-        """This rank's stripes of every unit's gradient, laid out like the stripes."""
+        self.compact = self.layout.grad_layout is not self.layout
+        """Some parameters are frozen: the stripes' gradients hold the trainable ones only."""
+        self.spans = self._trainable_spans() if self.compact else []
+        """``compact``: ``(unit, a, b, at)``: flat ``[a, b)`` of this rank's stripes is
+        ``stripe_grads[at : at + b - a]``."""
+        self.span_at = {(a, b): at for _, a, b, at in self.spans}
+        self.unit_spans: list[list[tuple[int, int, int, int]]] = [[] for _ in self.units]
+        for span in self.spans:
+            self.unit_spans[span[0]].append(span)
+        n = sum(b - a for _, a, b, _ in self.spans)
+        self.stripe_grads = (
+            storage.stripe_weights.new_zeros(n)
+            if self.compact
+            else torch.zeros_like(storage.stripe_weights)
+        )
+        """This rank's stripes of every unit's gradient, laid out like the stripes (or, when
+        some parameters are frozen, only the trainable parameters' parts, back to back)."""
         self.pool_numel = max(
             (g.total for u, g in zip(self.units, storage.geometries) if not u.kept), default=0
         )
@@ -80,6 +95,25 @@ class UnitGradReducer:
         for i, p in enumerate(params):
             if self.layout.slots[i].requires_grad:
                 p.register_post_accumulate_grad_hook(self._grad_hook(i))
+
+    def _trainable_spans(self) -> list[tuple[int, int, int, int]]:
+        spans, at = [], 0
+        for u, (a0, b0) in enumerate(self.storage.stripe_ranges()):
+            for i in range(self.units[u].lo, self.units[u].hi):
+                s = self.layout.slots[i]
+                a, b = max(s.offset, a0), min(s.end, b0)
+                if s.requires_grad and a < b:
+                    spans.append((u, a, b, at))
+                    at += b - a
+        return spans
+
+    def grad_of(self, a: int, b: int) -> torch.Tensor:
+        """The gradient of flat ``[a, b)``: one trainable parameter's part of one of this
+        rank's stripes (an optimizer piece)."""
+        if not self.compact:
+            return self.storage.stripe_of(self.stripe_grads, a, b)
+        at = self.span_at[(a, b)]  # the optimizer's pieces are the spans
+        return self.stripe_grads[at : at + b - a]
 
     @property
     def sync(self) -> bool:
@@ -196,8 +230,13 @@ class UnitGradReducer:
         for w in works:
             w.wait()
         self.stats.wait_seconds += time.perf_counter() - t0
-        a = self.storage.stripe_offsets[u]
-        self.stripe_grads[a : a + self.storage.geometries[u].per_rank].add_(out)
+        if self.compact:  # the trainable parts of the stripe only
+            s0 = self.storage.geometries[u].range(self.storage.rank)[0]
+            for _, a, b, at in self.unit_spans[u]:
+                self.stripe_grads[at : at + b - a].add_(out[a - s0 : b - s0])
+        else:
+            a = self.storage.stripe_offsets[u]
+            self.stripe_grads[a : a + self.storage.geometries[u].per_rank].add_(out)
         if grad._base is not None:  # a pooled buffer: back to the pool
             self.pool.append(grad._base)
         else:
@@ -223,7 +262,7 @@ class UnitGradReducer:
         ctx.spec.scale_after(self.stripe_grads)
         globally = dict(zip(ctx.trainable, used))
         for i, a, b, piece in self.pieces:
-            piece.grad = self.storage.stripe_of(self.stripe_grads, a, b) if globally[i] else None
+            piece.grad = self.grad_of(a, b) if globally[i] else None
         self.used = [False] * len(self.layout)
         self.stats.steps += 1
         self.stats.launched_during_backward = len(self.reduce_order)

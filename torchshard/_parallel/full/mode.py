@@ -203,21 +203,26 @@ class FullyShard(Mode):
         plan = [(u.lo, u.hi, u.kept) for u in self.units], self.prefetch, self.reshard_after_forward
         return "F" + hashlib.sha256(repr(plan).encode()).hexdigest()[:16]
 
+    def _stripe_bytes(self) -> tuple[int, int]:
+        """Bytes of this rank's weight stripes and of their (trainable parts') gradients."""
+        weights = self._adopted().stripe_weights
+        grads = self.grads.stripe_grads if self.grads is not None else weights
+        return weights.numel() * weights.element_size(), grads.numel() * grads.element_size()
+
     def master_bytes(self) -> int:
-        storage = self._adopted()
-        if self.master_dtype == storage.dtype:
+        if self.master_dtype == self._adopted().dtype:
             return 0
-        return 2 * storage.stripe_weights.numel() * storage.stripe_weights.element_size()
+        return sum(self._stripe_bytes())
 
     def memory(self, ctx: Context, optimizer_bytes: int) -> dict[str, int]:
         storage = self._adopted()
-        nbytes = storage.stripe_weights.numel() * storage.stripe_weights.element_size()
+        weights, grads = self._stripe_bytes()
         own = self.master_dtype == storage.dtype
         return {
-            "parameters": nbytes if own else 0,
-            "gradients": nbytes if own else 0,
+            "parameters": weights if own else 0,
+            "gradients": grads if own else 0,
             "optimizer": optimizer_bytes,
-            "master": 0 if own else 2 * nbytes,
+            "master": 0 if own else weights + grads,
             "transient": storage.transient,
         }
 

@@ -1,0 +1,237 @@
+"""Frozen parameters cost no gradient, bucket, reduction, optimizer state or master copy
+(issue 21): the gradient lives in the trainable slots' own space (``layout.grad_layout``).
+
+The model is LoRA's shape: frozen linears (and a frozen input layer and head) with rank-4
+adapters and a trainable norm between them, so frozen and trainable parameters alternate in
+the flat buffer. The oracle is torch DDP on the same model: bitwise at 2 ranks in all three
+modes, within 1e-5 relative per tensor at 3; the frozen weights stay bitwise what they were;
+each rank's gradient bytes are the trainable elements' (at most 1.01x: alignment and padding).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from cases import Cases
+from multiprocess import run_distributed
+from sharded_harness import differences, flat_state
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from torchshard import DistributedTrainer, FlatLayout, FlatParamModule, LayoutError, checkpoint
+
+MODES = [False, True, "full"]
+MODE_IDS = ["replicated", "sharded", "full"]
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear plus a trainable low-rank update, as PEFT's LoRA layer computes it."""
+
+    def __init__(self, d_in: int, d_out: int, r: int = 4) -> None:
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.base.requires_grad_(False)
+        self.lora_A = nn.Linear(d_in, r, bias=False)
+        self.lora_B = nn.Linear(r, d_out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_B(self.lora_A(x))
+
+
+class LoRANet(nn.Module):
+    def __init__(self, width: int = 48, n: int = 3, r: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.embed.requires_grad_(False)
+        self.blocks = nn.ModuleList(
+            # pre-norm, as a transformer block: the block's input is used twice in all (the
+            # norm, the residual), so the fully sharded mode's hook on it sums its gradient
+            # in DDP's order (three uses would round otherwise, as under FSDP2)
+            nn.Sequential(nn.LayerNorm(width), LoRALinear(width, width, r), nn.GELU())
+            for _ in range(n)
+        )
+        self.head = nn.Linear(width, 1)
+        self.head.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g)
+
+
+def trainable_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+# -- one process -----------------------------------------------------------------------------
+def test_the_gradient_holds_the_trainable_parameters_alone():
+    torch.manual_seed(0)
+    ref = LoRANet()
+    fm = FlatParamModule(copy.deepcopy(ref))
+    fm.bind(torch.empty(fm.numel))
+    fm.load_state_dict(ref.state_dict())
+    grads = fm.layout.grad_layout
+    assert [s.name for s in grads] == [n for n, p in ref.named_parameters() if p.requires_grad]
+    assert fm.flat_grad is not None and fm.flat_grad.numel() == fm.grad_numel == grads.numel
+    assert fm.grad_numel * 4 == trainable_bytes(ref)  # no padding between these fp32 shapes
+    assert fm.grad_numel * 6 < fm.numel  # LoRA: most of the model is frozen
+    x, y = data(0, 0)
+    F.mse_loss(fm(x), y).backward()
+    F.mse_loss(ref(x), y).backward()
+    for (name, p), q in zip(fm.module.named_parameters(), ref.parameters()):
+        if q.requires_grad:
+            s = grads[name]
+            assert p.grad.data_ptr() == fm.flat_grad[s.offset :].data_ptr(), name
+            assert torch.equal(p.grad, q.grad), name
+        else:
+            assert p.grad is None, name
+
+
+def test_trainable_runs_map_the_flat_buffer_onto_the_gradient():
+    layout = FlatLayout.from_module(LoRANet())
+    grads = layout.grad_layout
+    runs = layout.trainable_runs()
+    covered = 0
+    for a, b, c in runs:
+        for k, i in enumerate(layout.trainable):
+            s = layout.slots[i]
+            if a <= s.offset < b:
+                assert grads.slots[k].offset == c + s.offset - a, s.name
+                covered += 1
+    assert covered == len(layout.trainable)
+    assert FlatLayout.from_module(nn.Linear(4, 3)).grad_layout == FlatLayout.from_module(
+        nn.Linear(4, 3)
+    )
+
+
+def test_a_layout_without_frozen_parameters_is_its_own_gradient_layout():
+    layout = FlatLayout.from_module(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
+    assert layout.grad_layout is layout
+    assert layout.trainable_runs() == [(0, layout.slots[-1].end, 0)]
+
+
+# -- several ranks, against DDP ----------------------------------------------------------------
+def _lora_vs_ddp(shard: bool | str) -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = LoRANet()
+    frozen = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
+    fm = FlatParamModule(copy.deepcopy(ref), align_bytes=4)
+    trainer = DistributedTrainer(fm, shard=shard, bucket_mb=0.002)
+    opt = trainer.make_optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1
+    )
+    for step in range(4):
+        x, y = data(rank, step)
+        trainer.zero_grad()
+        F.mse_loss(fm(x), y).backward()
+        trainer.step()
+        ref_opt.zero_grad()
+        F.mse_loss(ddp(x), y).backward()
+        ref_opt.step()
+    stats = trainer.memory_stats()
+    with trainer.gathered():
+        got = {n: p.detach().clone() for n, p in fm.module.named_parameters()}
+    trainer.close()
+    want = dict(ref.named_parameters())
+    return {
+        "bitwise": [n for n in got if not torch.equal(got[n], want[n])],
+        "relative": max(((got[n] - want[n]).norm() / want[n].norm()).item() for n in got),
+        "frozen_changed": [n for n in frozen if not torch.equal(got[n], frozen[n])],
+        "gradients": stats.gradients,
+        "optimizer": stats.optimizer,
+        "master": stats.master,
+        "trainable": trainable_bytes(ref),
+        "state_tensors": len(opt.state),
+    }
+
+
+PARITY = Cases(_lora_vs_ddp, params=["shard"], timeout=120)
+
+
+@pytest.mark.parametrize("world_size", PARITY.world_sizes(2, 3, cases=3))
+@pytest.mark.parametrize("shard", MODES, ids=MODE_IDS)
+def test_lora_trains_like_ddp_with_gradients_for_the_adapters_only(request, shard, world_size):
+    ranks = PARITY.results(request)
+    for r in ranks:
+        assert r["frozen_changed"] == [], r
+        if world_size == 2:
+            assert r["bitwise"] == [], r
+        else:
+            assert r["relative"] < 1e-5, r
+    trainable = ranks[0]["trainable"]
+    # AdamW keeps two fp32 tensors per trainable element (and a step per piece): nothing
+    # for the frozen ones, in any mode
+    opt_elements = sum(r["optimizer"] for r in ranks) if shard else ranks[0]["optimizer"]
+    assert 2 * trainable <= opt_elements <= 2.02 * trainable + 4 * 64 * world_size
+    if shard == "full":  # each rank holds the gradients of its stripes' trainable parts
+        assert sum(r["gradients"] for r in ranks) == trainable
+    else:  # each rank holds the whole (padded) gradient of the trainable parameters
+        for r in ranks:
+            assert trainable <= r["gradients"] <= 1.01 * trainable, r
+    assert all(r["master"] <= (ranks[0]["trainable"] if shard is True else 0) for r in ranks)
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+def _lora_save(root: str, shard: bool | str, snapshot: str) -> None:
+    torch.manual_seed(0)
+    fm = FlatParamModule(LoRANet())
+    trainer = DistributedTrainer(fm, shard=shard, bucket_mb=0.002)
+    trainer.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    for step in range(3):
+        x, y = data(dist.get_rank(), step)
+        trainer.zero_grad()
+        F.mse_loss(fm(x), y).backward()
+        trainer.step()
+    checkpoint.save(root, trainer, step=3, optimizer=trainer.optimizer)
+    state = flat_state(trainer)
+    if dist.get_rank() == 0:
+        torch.save(state, snapshot)
+    trainer.close()
+
+
+def _lora_load(root: str, shard: bool | str, snapshot: str) -> list[str]:
+    torch.manual_seed(1)  # other weights: the load must bring every one back
+    fm = FlatParamModule(LoRANet())
+    trainer = DistributedTrainer(fm, shard=shard, bucket_mb=0.002)
+    trainer.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    checkpoint.load(root, trainer, optimizer=trainer.optimizer)
+    got = flat_state(trainer)
+    trainer.close()
+    return differences(got, torch.load(snapshot, weights_only=True))
+
+
+@pytest.mark.parametrize(
+    ("save", "load"),
+    [((2, True), (3, True)), ((3, "full"), (2, False)), ((2, False), (3, "full"))],
+    ids=["sharded2-to-sharded3", "full3-to-replicated2", "replicated2-to-full3"],
+)
+def test_a_lora_checkpoint_resumes_bitwise_at_another_world_size_and_mode(tmp_path, save, load):
+    root, snapshot = str(tmp_path / "ckpt"), str(tmp_path / "state.pt")
+    run_distributed(_lora_save, save[0], root, save[1], snapshot, timeout=120)
+    for r in run_distributed(_lora_load, load[0], root, load[1], snapshot, timeout=120):
+        assert r == [], r
+
+
+# -- requires_grad after wrapping -----------------------------------------------------------------
+def test_a_parameter_unfrozen_after_wrapping_is_named():
+    model = LoRANet()
+    fm = FlatParamModule(model)
+    trainer = DistributedTrainer(fm)
+    model.head.weight.requires_grad_(True)  # after the layout was made: no gradient room
+    F.mse_loss(fm(data(0, 0)[0]), data(0, 0)[1]).backward()
+    with pytest.raises(LayoutError, match=r"head\.weight: requires_grad changed after"):
+        trainer.average_gradients()
+    trainer.close()
