@@ -27,6 +27,7 @@ __all__ = [
     "ReduceSpec",
     "ReduceToOwner",
     "fill_mask",
+    "landed",
     "settled",
 ]
 
@@ -82,6 +83,8 @@ class ReduceSpec:
     """
 
     op: dist.ReduceOp.RedOpType
+    dtype: torch.dtype | None = None
+    """The dtype gradients travel and are summed in (``reduce_dtype``; ``None``: their own)."""
     pre: float = 1.0
     """Factor applied to a bucket before it travels (``1 / world``: DDP's, times the
     reciprocal, not a division)."""
@@ -96,8 +99,10 @@ class ReduceSpec:
         native: dist.ReduceOp.RedOpType | None,
         *,
         prefer_pre: bool,
+        wire: torch.dtype | None = None,
     ) -> ReduceSpec:
-        """The spec for a group of ``world_size`` and buffers of ``dtype``.
+        """The spec for a group of ``world_size`` and buffers of ``dtype``, reduced in
+        ``wire`` (e.g. fp32 for bf16 gradients; ``None`` or ``dtype``: in ``dtype``).
 
         ``native`` is the backend's averaging op (``ReduceOp.AVG`` on NCCL, else ``None``):
         then no scaling pass at all. Otherwise float16 scales before (it tops out at 65504:
@@ -108,13 +113,18 @@ class ReduceSpec:
 
             ReduceSpec.of(2, torch.bfloat16, None, prefer_pre=False).post   # 2.0
         """
+        wire = None if wire == dtype else wire
         if world_size == 1:
             return cls(dist.ReduceOp.SUM)
         if native is not None:
-            return cls(native)
-        if dtype == torch.float16 or prefer_pre:
-            return cls(dist.ReduceOp.SUM, pre=1.0 / world_size)
-        return cls(dist.ReduceOp.SUM, post=float(world_size))
+            return cls(native, wire)
+        if (wire or dtype) == torch.float16 or prefer_pre:
+            return cls(dist.ReduceOp.SUM, wire, pre=1.0 / world_size)
+        return cls(dist.ReduceOp.SUM, wire, post=float(world_size))
+
+    def on_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in the dtype it travels in: itself, or a transient copy in :attr:`dtype`."""
+        return t if self.dtype is None or t.dtype == self.dtype else t.to(self.dtype)
 
     def scale_before(self, t: torch.Tensor) -> None:
         """Apply ``pre`` to ``t`` in place (nothing when it is 1)."""
@@ -159,6 +169,27 @@ def fill_mask(mask: torch.Tensor, used: list[bool]) -> bool:
     return False
 
 
+def landed(work: dist.Work, wire: torch.Tensor, dest: torch.Tensor) -> Future[torch.Tensor]:
+    """``work``'s future, completing with ``dest`` once the reduced ``wire`` (the bucket in
+    its travelling dtype) was written there (nothing to write when ``wire`` is ``dest``), as
+    a DDP compression hook writes its result back.
+
+    Example::
+
+        wire = spec.on_wire(view)
+        fut = landed(dist.all_reduce(wire, async_op=True), wire, view)
+    """
+    if wire is dest:
+        return settled(work, dest)
+
+    def done(f: Future[object]) -> torch.Tensor:
+        f.value()
+        dest.copy_(wire)
+        return dest
+
+    return work.get_future().then(done)
+
+
 def settled(work: dist.Work, result: torch.Tensor) -> Future[torch.Tensor]:
     """``work``'s future, completing with ``result`` (a failure of ``work`` propagates).
 
@@ -190,10 +221,11 @@ class AllReduce:
         self.mesh = mesh
 
     def launch(self, view: torch.Tensor, spec: ReduceSpec, bucket: Bucket) -> Future[torch.Tensor]:
-        """All-reduce ``view`` over the mesh by ``spec``."""
-        spec.scale_before(view)
-        work = dist.all_reduce(view, op=spec.op, group=self.mesh.group, async_op=True)
-        return settled(work, view)
+        """All-reduce ``view`` over the mesh by ``spec`` (in its dtype; back into ``view``)."""
+        wire = spec.on_wire(view)
+        spec.scale_before(wire)
+        work = dist.all_reduce(wire, op=spec.op, group=self.mesh.group, async_op=True)
+        return landed(work, wire, view)
 
 
 class ReduceToOwner:
@@ -206,12 +238,24 @@ class ReduceToOwner:
 
     fuses_mask: ClassVar[bool] = False  # the mask must reach every rank, not the owner only
 
-    def __init__(self, mesh: Mesh1D, owner: Callable[[Bucket], int]) -> None:
-        self.mesh, self.owner = mesh, owner
+    def __init__(
+        self,
+        mesh: Mesh1D,
+        owner: Callable[[Bucket], int],
+        sink: Callable[[Bucket], torch.Tensor] | None = None,
+    ) -> None:
+        self.mesh, self.owner, self.sink = mesh, owner, sink
+        """``sink(bucket)``: where a bucket reduced in another dtype than the gradient's lands
+        on its owner (the master gradient: no rounding to the gradient's dtype on the way)."""
 
     def launch(self, view: torch.Tensor, spec: ReduceSpec, bucket: Bucket) -> Future[torch.Tensor]:
         """Reduce ``view`` by ``spec`` to the group rank ``owner(bucket)``."""
-        spec.scale_before(view)
-        dst = self.mesh.global_rank(self.owner(bucket))
-        work = dist.reduce(view, dst, op=spec.op, group=self.mesh.group, async_op=True)
-        return settled(work, view)
+        wire = spec.on_wire(view)
+        spec.scale_before(wire)
+        owner = self.owner(bucket)
+        dst = self.mesh.global_rank(owner)
+        work = dist.reduce(wire, dst, op=spec.op, group=self.mesh.group, async_op=True)
+        if owner != self.mesh.rank:
+            return settled(work, view)  # nothing lands here
+        dest = self.sink(bucket) if self.sink is not None and wire is not view else view
+        return landed(work, wire, dest)

@@ -235,18 +235,21 @@ def wire_gradients(
     params: tuple[torch.nn.Parameter, ...],
     bucket_bytes: float,
     native: dist.ReduceOp.RedOpType | None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> tuple[Context, tuple[Bucket, ...], GradSync]:
     """The gradient path of a trainer whose module ``mode`` adopted (``params``, by slot):
     the division policy, once (:meth:`ReduceSpec.of`: ``native`` is the backend's averaging
-    op, else ``None``), the context, the buckets (with the mode's cuts), the mode's state
-    and its gradient sync.
+    op, else ``None``; gradients reduced in ``reduce_dtype``), the context, the buckets
+    (with the mode's cuts), the mode's state and its gradient sync.
 
     Example::
 
         ctx, buckets, sync = wire_gradients(mode, fm, mesh, device, params,
                                             25 * 2**20, native_mean(group, device))
     """
-    spec = ReduceSpec.of(mesh.size, fm.dtype, native, prefer_pre=mode.divides_first)
+    spec = ReduceSpec.of(
+        mesh.size, fm.dtype, native, prefer_pre=mode.divides_first, wire=reduce_dtype
+    )
     trainable = fm.layout.trainable
     # gradients, buckets and the optimizer's part live in the trainable slots' space
     grads = Geometry.of(fm.layout.grad_layout, mesh.size, pad=mode.pads)

@@ -24,11 +24,13 @@ __all__ = [
     "all_reduce_flat",
     "assert_in_sync",
     "bind_buffers",
+    "check_reduce_dtype",
     "check_requires_grad",
     "check_same_model",
     "check_same_order",
     "native_mean",
     "pick_device",
+    "plain_optimizer_refused",
 ]
 
 
@@ -265,3 +267,23 @@ def check_requires_grad(layout: FlatLayout, params: tuple[torch.nn.Parameter, ..
             "laid them out (gradients exist for the parameters that trained then); set "
             "requires_grad before wrapping"
         )
+
+
+def check_reduce_dtype(reduce_dtype: object) -> None:
+    """Raise :class:`TorchShardError` unless ``reduce_dtype`` is a floating dtype or ``None``."""
+    if reduce_dtype is not None and not (
+        isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
+    ):
+        raise TorchShardError(
+            f"reduce_dtype: expected a floating point torch.dtype or None, got {reduce_dtype!r}"
+        )
+
+
+def plain_optimizer_refused(shard: object) -> str:
+    """Why a sharded trainer refuses an optimizer over ``fm.parameters()``."""
+    return (
+        f"optimizer: with shard={shard!r} an optimizer over fm.parameters() would step "
+        "gradients that are not the mean (shard=True reduces each rank's slice only) or that "
+        "never exist (shard='full'), and nothing would gather the result; build it with "
+        "trainer.make_optimizer(torch.optim.AdamW, lr=...) and call trainer.step()"
+    )

@@ -66,15 +66,22 @@ class ShardedOptimizer(Mode):
     def make_comm(self, ctx: Context) -> BucketComm:
         """Each bucket reduced to the owner of its slice (a bucket never crosses a slice)."""
         geometry = ctx.geometry
-        return ReduceToOwner(ctx.mesh, lambda b: geometry.owner(b.start))
+        s0 = geometry.range(ctx.rank)[0]
+        master = self._master_grad
+        sink = None
+        if master is not None and ctx.spec.dtype == master.dtype:  # reduce_dtype=master's
+            sink = lambda b: master[b.start - s0 : b.end - s0]  # noqa: E731
+        return ReduceToOwner(ctx.mesh, lambda b: geometry.owner(b.start), sink)
 
     def finish(self, ctx: Context) -> None:
         s0, e0 = ctx.geometry.range(ctx.rank)
         mine = ctx.grad[s0:e0]
         if self._master_grad is not None:
-            # reduced across ranks in the buffer's dtype (half the traffic in bf16); a sum
-            # is divided here, in the master dtype
-            self._master_grad.copy_(mine)
+            # reduced across ranks in the buffer's dtype (half the traffic in bf16), or in
+            # the master's (reduce_dtype) straight into it; a sum is divided here, in the
+            # master dtype
+            if ctx.spec.dtype != self._master_grad.dtype:
+                self._master_grad.copy_(mine)
             mine = self._master_grad
         ctx.spec.scale_after(mine)
 

@@ -26,11 +26,13 @@ from .seam import CommStats
 from .setup import (
     all_reduce_flat,
     assert_in_sync,
+    check_reduce_dtype,
     check_requires_grad,
     check_same_model,
     check_same_order,
     native_mean,
     pick_device,
+    plain_optimizer_refused,
 )
 from .shards import LocalShards, MemoryStats
 from .teardown import teardown
@@ -84,6 +86,10 @@ class DistributedTrainer:
         prefetch: ``shard="full"``: units gathered ahead of the one running.
         reshard_after_forward: ``shard="full"``: free a unit after its forward
             (gather it again for backward); ``False`` keeps it until its backward.
+        reduce_dtype: the dtype gradients are summed over the ranks in (e.g.
+            ``torch.float32`` for a bf16 model: each bucket or unit travels in it, and
+            lands in the fp32 master gradient where there is one, else back in the
+            model's dtype, rounded once); ``None``: the gradients' own dtype.
 
     Example::
 
@@ -113,6 +119,7 @@ class DistributedTrainer:
         units: UnitSpec = "auto",
         prefetch: int = 1,
         reshard_after_forward: bool = True,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(fm, FlatParamModule):
             raise TorchShardError(
@@ -121,6 +128,7 @@ class DistributedTrainer:
             )
         if not bucket_mb > 0:
             raise TorchShardError(f"bucket_mb: expected a positive size, got {bucket_mb}")
+        check_reduce_dtype(reduce_dtype)
         if process_group is None:
             init_distributed()
         self._group = process_group
@@ -151,14 +159,7 @@ class DistributedTrainer:
             Coordinator(token, self.rank, self.world_size) if self.world_size > 1 else None
         )
         if self._mode.sharded:  # a plain optimizer would update unreduced or absent gradients
-            forbid(
-                self._params,
-                f"optimizer: with shard={self.shard!r} an optimizer over fm.parameters() "
-                "would step gradients that are not the mean (shard=True reduces each rank's "
-                "slice only) or that never exist (shard='full'), and nothing would gather "
-                "the result; build it with trainer.make_optimizer(torch.optim.AdamW, lr=...) "
-                "and call trainer.step()",
-            )
+            forbid(self._params, plain_optimizer_refused(self.shard))
         self._mean_op = native_mean(self._group, self.device)  # ReduceOp.AVG on NCCL
         self._ctx, self._buckets, self._reducer = wire_gradients(
             self._mode,
@@ -168,6 +169,7 @@ class DistributedTrainer:
             self._params,
             bucket_mb * 2**20,
             self._mean_op,
+            reduce_dtype,
         )
         self._optimizer: torch.optim.Optimizer | None = None
         self.group_names: list[list[str]] = []  # per param group of make_optimizer's optimizer

@@ -174,7 +174,8 @@ class UnitGradReducer:
         most two of the largest such size (fewer allocations: less for the heap to keep)."""
         grad = self.unit_grad[u]
         if grad is None:
-            n, dtype, device = self.storage.geometries[u].total, self.storage.dtype, self.ctx.device
+            n, device = self.storage.geometries[u].total, self.ctx.device
+            dtype = self.ctx.spec.dtype or self.storage.dtype  # reduce_dtype: summed in it
             if self.units[u].kept or not self.pool_numel:
                 grad = self._held(torch.zeros(n, dtype=dtype, device=device))
             else:
