@@ -16,6 +16,11 @@ Nothing is downloaded.
     # start again, deleting the earlier run's checkpoints (without it: an error)
     torchrun --standalone --nproc-per-node 2 examples/finetune_hf.py --overwrite
 
+    # LoRA through PEFT: only the adapters get gradients and optimizer state; they are
+    # written in PEFT's format to runs/finetune_hf-lora/adapter
+    torchrun --standalone --nproc-per-node 2 examples/finetune_hf.py \\
+        --lora-rank 8 --ckpt-dir runs/finetune_hf-lora
+
     # export for transformers, then load it there
     torchshard consolidate runs/finetune_hf runs/finetune_hf-model
     python -c "import transformers; transformers.AutoModelForCausalLM.from_pretrained('runs/finetune_hf-model')"
@@ -143,6 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--gradient-checkpointing", action="store_true", help="recompute activations in backward"
     )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="LoRA (PEFT): freeze the model and train rank-R adapters on --lora-targets;\n"
+        "frozen weights take no gradient or optimizer memory; the adapters are\n"
+        "exported in PEFT's format to <ckpt-dir>/adapter at the end (default: 0, off)",
+    )
+    p.add_argument(
+        "--lora-targets",
+        default="q_proj,v_proj",
+        help="with --lora-rank: the Linear layers that get adapters, by name suffix\n"
+        "(gpt2: c_attn) (default: %(default)s)",
+    )
     return p
 
 
@@ -169,6 +189,16 @@ def build_model(args: argparse.Namespace, rank: int) -> torch.nn.Module:
     # the ties this breaks, and the trainer initializes the model the transformers way.
     with init_empty_weights():
         return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def with_lora(model: torch.nn.Module, rank: int, targets: list[str]) -> torch.nn.Module:
+    """The model with PEFT LoRA adapters of ``rank`` on ``targets``, everything else frozen.
+    On meta (ranks other than 0 with --init-from, or every rank from a config) the adapters
+    are built on meta too; torchshard initializes them PEFT's way (lora_B zeros)."""
+    import peft  # only for --lora-rank
+
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets)
+    return peft.get_peft_model(model, config)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -202,6 +232,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.gradient_checkpointing:  # transformers 5 renamed gradient_checkpointing_enable
         enable = getattr(model, "activation_checkpointing_enable", None)
         (enable or model.gradient_checkpointing_enable)()
+    if args.lora_rank:
+        model = with_lora(model, args.lora_rank, args.lora_targets.split(","))
     fm = torchshard.FlatParamModule(model, dtype=torch.bfloat16 if args.bf16 else None)
     trainer = torchshard.DistributedTrainer(fm, device=info.device, shard=args.shard)
     opt = trainer.make_optimizer(
@@ -220,9 +252,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if start >= args.steps:
         log.info("already at step %d of %d: nothing to train (raise --steps)", start, args.steps)
     log.info(
-        "%s, %.2fM parameters, world %d on %s, %s",
+        "%s, %.2fM parameters (%d train), world %d on %s, %s",
         type(model).__name__,
         fm.layout.param_numel / 1e6,
+        fm.layout.grad_layout.param_numel,
         info.world_size,
         info.device,
         "sharded" if args.shard else "replicated",
@@ -270,6 +303,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         prompt = torch.tensor([list(b"def ")], device=info.device)
         out = model.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=0)
     sample = bytes(out[0].tolist()).decode("utf-8", "replace")
+    if args.lora_rank:  # PEFT's own format: PeftModel.from_pretrained(base, path) loads it
+        path = Path(args.ckpt_dir) / "adapter"
+        with trainer.gathered():
+            if info.rank == 0:
+                model.save_pretrained(path)
+        log.info("adapters (PEFT format): %s", path)
     log.info("validation loss %.4f; greedy sample: %r", val_loss, sample)
     log.info(
         "checkpoints: %s", ", ".join(p.name for p in sorted(Path(args.ckpt_dir).glob("step-*")))

@@ -104,7 +104,9 @@ def test_finetune_under_accelerate_launch_gpt2_sharded(tmp_path):
 
 @pytest.mark.slow
 def test_finetune_starts_from_a_from_pretrained_directory(tmp_path):
-    """--init-from: rank 0 loads the directory, the other ranks build on meta and receive it."""
+    """--init-from: rank 0 loads the directory, the other ranks build on meta and receive it;
+    with --lora-rank (PEFT LoRA over it) the adapters train and export in PEFT's format, and
+    PeftModel.from_pretrained loads them over the same base."""
     needs_hf()
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
@@ -116,11 +118,18 @@ def test_finetune_starts_from_a_from_pretrained_directory(tmp_path):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         FINETUNE, "--init-from", str(tmp_path / "pretrained"), "--steps", "2",
-        "--ckpt-dir", str(tmp_path / "ckpt"), *SMALL.split(),
+        "--ckpt-dir", str(tmp_path / "ckpt"), *SMALL.split(), "--lora-rank", "4",
     ]  # fmt: skip
     text = run(cmd, env=env)
-    assert "LlamaForCausalLM" in text and "world 2 on cpu" in text, text
+    assert "PeftModel" in text and "world 2 on cpu" in text, text
+    # 1 layer x (q_proj 4x32 + 32x4, v_proj 4x32 + 16x4): the adapters alone train
+    assert "(448 train)" in text, text
     assert os.path.isdir(tmp_path / "ckpt" / "step-00000002")
+    peft = pytest.importorskip("peft")
+    base = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "pretrained")
+    model = peft.PeftModel.from_pretrained(base, tmp_path / "ckpt" / "adapter")
+    lora = {n: p for n, p in model.named_parameters() if "lora_B" in n}
+    assert lora and any(p.abs().sum() > 0 for p in lora.values())  # trained off its zeros
 
 
 @pytest.mark.slow

@@ -63,7 +63,9 @@ def _reduced_like_the_oracle(shard: bool | str, reduce_dtype: torch.dtype | None
     return {"differ": bitwise, "rounded": rounded, "pieces": len(rounded)}
 
 
-REDUCE = Cases(_reduced_like_the_oracle, params=["shard", "reduce_dtype"], timeout=120, world_size=2)
+REDUCE = Cases(
+    _reduced_like_the_oracle, params=["shard", "reduce_dtype"], timeout=120, world_size=2
+)
 
 
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, None], ids=["fp32", "bf16"])

@@ -121,6 +121,32 @@ def init_transformers_model(model: nn.Module) -> None:
         model.apply(model._init_weights)  # type: ignore[operator]
 
 
+def init_peft_adapters(model: nn.Module) -> int:
+    """Initialize a PEFT model's LoRA adapters PEFT's own way (by default ``lora_B`` zeros,
+    so a new adapter leaves the base model's output unchanged); the base model's init
+    (transformers') wrote them as plain ``nn.Linear`` layers. The number of layers reset.
+
+    Example::
+
+        init_peft_adapters(peft_model)   # after the base model was initialized
+    """
+    configs = next((m.peft_config for m in model.modules() if hasattr(m, "peft_config")), None)
+    if not isinstance(configs, dict):
+        return 0
+    reset = 0
+    for m in model.modules():
+        adapters = getattr(m, "lora_A", None)
+        if callable(getattr(m, "reset_lora_parameters", None)) and isinstance(
+            adapters, nn.ModuleDict
+        ):
+            for name in adapters:
+                config = configs.get(name)
+                if config is not None:
+                    m.reset_lora_parameters(name, getattr(config, "init_lora_weights", True))
+                    reset += 1
+    return reset
+
+
 def transformers_config(model: nn.Module, dtype: torch.dtype) -> dict[str, Any] | None:
     """The model's config as ``save_pretrained`` writes it (``config.json``), or ``None``."""
     if not is_transformers_model(model):

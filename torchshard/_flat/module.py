@@ -14,6 +14,7 @@ from .._log import get_logger
 from .._stepped import watch as watch_optimizers
 from .hf import (
     clear_init_flags,
+    init_peft_adapters,
     init_transformers_model,
     is_transformers_model,
     restore_declared_ties,
@@ -279,7 +280,8 @@ class FlatParamModule(nn.Module):
         module) by its ``initialize_weights()``, i.e. its ``_init_weights``
         for every submodule, including rotary ``inv_freq`` buffers; every
         other submodule by its ``reset_parameters()`` when it has one (this
-        also resets e.g. BatchNorm running statistics). With ``fn``, applies
+        also resets e.g. BatchNorm running statistics); a PEFT model's LoRA
+        adapters then PEFT's way (``lora_B`` zeros by default). With ``fn``, applies
         it to every submodule like ``nn.Module.apply`` (the convention of
         transformers' ``_init_weights``). ``fn`` must write in place;
         replacing a parameter raises :class:`TorchShardError`. A buffer built
@@ -299,6 +301,7 @@ class FlatParamModule(nn.Module):
             self.module.apply(fn)
         else:
             _init_own_way(self.module)
+            init_peft_adapters(self.module)  # after the base model's init wrote them
         self.check_views()
         self._meta.refresh()  # every buffer written: no check is left
         return self
