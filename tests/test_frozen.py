@@ -235,3 +235,48 @@ def test_a_parameter_unfrozen_after_wrapping_is_named():
     with pytest.raises(LayoutError, match=r"head\.weight: requires_grad changed after"):
         trainer.average_gradients()
     trainer.close()
+
+
+def _lora_trainer(seed: int) -> tuple[FlatParamModule, DistributedTrainer]:
+    torch.manual_seed(seed)
+    fm = FlatParamModule(LoRANet(width=96))
+    trainer = DistributedTrainer(fm, shard=True)
+    trainer.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    return fm, trainer
+
+
+def test_a_lora_checkpoint_stores_optimizer_state_for_the_adapters_alone(tmp_path, monkeypatch):
+    import json
+
+    from torchshard.checkpoint import _format
+
+    fm, trainer = _lora_trainer(0)
+    for step in range(2):
+        trainer.zero_grad()
+        F.mse_loss(fm(data(0, step)[0]), data(0, step)[1]).backward()
+        trainer.step()
+    path = checkpoint.save(tmp_path / "new", trainer, step=2, optimizer=trainer.optimizer)
+    meta = json.loads((path / "metadata.json").read_text().rsplit("\n", 1)[0])
+    assert meta["format_version"] == 3 and meta["optimizer"]["stored"] == "trainable"
+    state = sum(f.stat().st_size for f in path.glob("optim-*.safetensors"))
+    adam = 2 * trainable_bytes(fm.module)  # exp_avg, exp_avg_sq
+    assert adam <= state <= 1.05 * adam, (state, adam)
+    # last week's writer stored zeros for the frozen parameters: such a checkpoint still loads
+    monkeypatch.setattr(_format, "trainable_only", lambda layout: False)
+    monkeypatch.setattr(checkpoint._plan, "trainable_only", lambda layout: False)
+    old = checkpoint.save(tmp_path / "old", trainer, step=2, optimizer=trainer.optimizer)
+    monkeypatch.undo()
+    assert sum(f.stat().st_size for f in old.glob("optim-*.safetensors")) > 10 * state
+    want = flat_state(trainer)
+    trainer.close()
+    # resharded offline to 3 ranks, each form keeps its own storage
+    again = [checkpoint.reshard(p, tmp_path / f"re-{p.parent.name}", 3) for p in (path, old)]
+    for p, q in zip((path, old), again):
+        assert json.loads((q / "metadata.json").read_text().rsplit("\n", 1)[0]).get(
+            "format_version"
+        ) == (3 if p == path else 2)
+    for root in (path, old, *again):
+        _, other = _lora_trainer(1)
+        checkpoint.load(root, other, optimizer=other.optimizer)
+        assert differences(flat_state(other), want) == [], root
+        other.close()

@@ -233,6 +233,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "_flat.layout",
         "checkpoint._format",
         "checkpoint._metadata",
+        "checkpoint._plan",
         "checkpoint._safetensors",
         "checkpoint._tools",
     },

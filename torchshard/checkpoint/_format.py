@@ -17,10 +17,11 @@ from typing import Any
 from .._errors import CheckpointError
 from .._flat.layout import FlatLayout
 from .._log import get_logger
-from ._plan import state_ranges, weight_runs
+from ._plan import state_ranges, trainable_only, weight_runs
 from ._rules import ADVICE
 
 __all__ = [
+    "DENSE_VERSION",
     "FORMAT_VERSION",
     "INDEX",
     "MASTER",
@@ -44,7 +45,11 @@ __all__ = [
     "write_bytes",
 ]
 
-FORMAT_VERSION = 2  # 2: metadata.json ends with its own SHA-256; the index's is recorded
+# 2: metadata.json ends with its own SHA-256; the index's is recorded. 3: optimizer files may
+# store the trainable parameters' state alone ("stored": "trainable"); only such checkpoints
+# say 3, the rest stay 2 (byte for byte what they were).
+FORMAT_VERSION = 3
+DENSE_VERSION = 2
 METADATA = "metadata.json"
 INDEX = "model.safetensors.index.json"
 MASTER = "master"  # the flat state key of fp32 master weights (_optim.MASTER)
@@ -178,7 +183,7 @@ def commit(
     index = json.dumps(index_json(metadata, buffer_bytes), separators=(",", ":")).encode()
     write_bytes(tmp / INDEX, index)
     content = {k: v for k, v in metadata.items() if k not in ("files", "index", "sha256")}
-    content["format_version"] = FORMAT_VERSION
+    content["format_version"] = metadata.get("format_version", FORMAT_VERSION)
     content["index"] = {"size": len(index), "sha256": hashlib.sha256(index).hexdigest()}
     content["files"] = files
     write_bytes(tmp / METADATA, seal(content))  # last: its presence means complete
@@ -222,7 +227,7 @@ def build_metadata(
     """
     shards = weight_runs(layout, world_size)
     meta: dict[str, Any] = {
-        "format_version": FORMAT_VERSION,
+        "format_version": DENSE_VERSION,
         "step": step,
         "world_size": world_size,
         "layout": layout.to_dict(),
@@ -246,6 +251,9 @@ def build_metadata(
             if b > a and optimizer["flat_state"]
         ]
         meta["optimizer"] = {**optimizer, "files": files}
+        if trainable_only(layout):  # no zeros for the frozen parameters (stored_parts)
+            meta["optimizer"]["stored"] = "trainable"
+            meta["format_version"] = FORMAT_VERSION
     return meta
 
 

@@ -20,6 +20,7 @@ from .._errors import CheckpointError, and_more
 from .._flat.layout import dtype_name
 from ._format import INDEX, METADATA, complete_checkpoints, index_json, resolve
 from ._metadata import Metadata, OptimMeta, read_metadata
+from ._plan import stored_parts
 from ._safetensors import FileRecord, SafetensorsReader
 from ._tools import Progress, existing
 
@@ -128,7 +129,8 @@ def _expected_tensors(
         want[file].append((name, None, None))
     if opt is not None:
         for file, start, end in opt.files:
-            want[file] += [(k, d, (end - start,)) for k, d in opt.flat_state.items()]
+            n = sum(b - a for a, b, _ in stored_parts(meta.layout, start, end, opt.trainable_only))
+            want[file] += [(k, d, (n,)) for k, d in opt.flat_state.items()]
     return want
 
 

@@ -30,7 +30,7 @@ from .._log import get_logger
 from ._format import METADATA, complete_checkpoints, resolve
 from ._metadata import Metadata, Readers, read_metadata
 from ._optim import MASTER, OptimizerView, group_problem, restore_group_values
-from ._plan import gather_ranges, overlap
+from ._plan import gather_ranges, overlap, stored_parts
 from ._rules import OPTIMIZER_RULES
 from ._target import Checkpointable, CheckpointInfo, Target
 
@@ -119,18 +119,21 @@ def _zero_gaps(into: torch.Tensor, written: list[tuple[int, int]]) -> None:
 
 
 def _read_state(
-    readers: Readers, files: list[tuple[str, int, int]], key: str, parts: Parts, into: torch.Tensor
+    readers: Readers, meta: Metadata, key: str, parts: Parts, into: torch.Tensor
 ) -> list[tuple[int, int]]:
     """Read flat state ``key``'s ``parts`` from the optimizer files into ``into``; the ranges
-    of ``into`` written."""
+    of ``into`` written (what the files store of them: all, or the trainable parameters')."""
+    assert meta.optim is not None
     written = []
-    for file, fs, fe in files:
-        for rs, re, at in parts:
-            ov = overlap((fs, fe), (rs, re))
-            if ov is not None:
-                a, b = ov
-                readers[file].read_into(key, a - fs, b - fs, into[at + a - rs : at + b - rs])
-                written.append((at + a - rs, at + b - rs))
+    for file, fs, fe in meta.optim.files:
+        for ps, pe, pos in stored_parts(meta.layout, fs, fe, meta.optim.trainable_only):
+            for rs, re, at in parts:
+                ov = overlap((ps, pe), (rs, re))
+                if ov is not None:
+                    a, b = ov
+                    dst = into[at + a - rs : at + b - rs]
+                    readers[file].read_into(key, pos + a - ps, pos + b - ps, dst)
+                    written.append((at + a - rs, at + b - rs))
     return written
 
 
@@ -201,10 +204,10 @@ def _read_share(
             # every rank has succeeded, and the all-gather fills the rest.
             if t.device.type == "cpu" and not own:
                 host = torch.empty(layout.numel, dtype=dtype)
-                _read_state(readers, meta.optim.files, key, [(a, b, a) for a, b, _ in parts], host)
+                _read_state(readers, meta, key, [(a, b, a) for a, b, _ in parts], host)
             else:
                 host = torch.empty(state_numel, dtype=dtype)
-                _zero_gaps(host, _read_state(readers, meta.optim.files, key, parts, host))
+                _zero_gaps(host, _read_state(readers, meta, key, parts, host))
             state[key] = host
     return _Read(weights, mine, buffers, state)
 

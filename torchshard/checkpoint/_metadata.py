@@ -48,6 +48,9 @@ class OptimMeta:
     param_groups: list[dict[str, Any]]
     stateful: str
     files: list[tuple[str, int, int]]  # (file, start, end) in flat-buffer elements
+    trainable_only: bool = False
+    """The files store the trainable parameters' state alone (``"stored": "trainable"``):
+    their parts of each range are :func:`~._plan.stored_parts`."""
 
     @property
     def rules(self) -> OptimRules | None:
@@ -114,7 +117,10 @@ def _parse_optim(o: Any, layout: FlatLayout) -> OptimMeta:
         files.append(
             (expect_file_name(expect_key(f, "file", where), at(where, "file")), start, end)
         )
-    meta = OptimMeta(cls, flat_state, scalar_state, groups, stateful, files)
+    stored = o.get("stored", "all")
+    if stored not in ("all", "trainable"):
+        raise Invalid(at(path, "stored"), "'trainable' (or absent)", stored)
+    meta = OptimMeta(cls, flat_state, scalar_state, groups, stateful, files, stored == "trainable")
     where_group = meta.slot_groups(layout)
     for i, flag in enumerate(stateful):
         if flag == "1" and where_group[i] is None:

@@ -26,6 +26,9 @@ __all__ = [
     "overlap",
     "plan_share",
     "state_ranges",
+    "stored_numel",
+    "stored_parts",
+    "trainable_only",
     "weight_runs",
     "weight_tiles",
 ]
@@ -54,8 +57,62 @@ def _tiles(layout: FlatLayout, runs: list[tuple[int, int]]) -> list[tuple[int, i
 
 def state_ranges(layout: FlatLayout, world_size: int) -> list[tuple[int, int]]:
     """Each rank's range ``[start, end)`` of flat optimizer state, in elements (aligned):
-    the sharded trainer's slices, cut at the end of the layout."""
-    return Geometry.of(layout, world_size, pad=True).clipped(layout.numel)
+    the sharded trainer's slices, cut at the end of the layout. With frozen parameters the
+    trainer slices the trainable parameters alone (``layout.grad_layout``): the ranges are
+    those slices' cuts, carried to the flat buffer, so that each holds the state of one
+    slice (and the frozen parameters around it, which have none)."""
+    grads = layout.grad_layout
+    if grads is layout:
+        return Geometry.of(layout, world_size, pad=True).clipped(layout.numel)
+    cuts = [a for a, _ in Geometry.of(grads, world_size, pad=True).clipped(grads.numel)]
+    starts = [0, *(_flat_of(layout, c) for c in cuts[1:])]
+    return [
+        (a, starts[r + 1] if r + 1 < world_size else layout.numel) for r, a in enumerate(starts)
+    ]
+
+
+def _flat_of(layout: FlatLayout, g: int) -> int:
+    """The flat element of gradient-space element ``g`` (in a gap: the next run's start)."""
+    for a, b, c in layout.trainable_runs():
+        if g < c + b - a:
+            return a + max(0, g - c)
+    return layout.numel
+
+
+def trainable_only(layout: FlatLayout) -> bool:
+    """Whether a save of ``layout`` stores optimizer state for the trainable parameters only
+    (it has frozen ones; ``metadata.json``'s ``"stored": "trainable"``)."""
+    return layout.grad_layout is not layout
+
+
+def stored_parts(
+    layout: FlatLayout, start: int, end: int, only_trainable: bool | None = None
+) -> list[tuple[int, int, int]]:
+    """The parts of flat optimizer state ``[start, end)`` that an optimizer file stores, as
+    ``(a, b, at)``: flat ``[a, b)`` is the file tensor's ``[at, at + b - a)``. Every element
+    (one part), unless ``only_trainable`` (default: :func:`trainable_only`): then the
+    trainable runs' elements only (a LoRA checkpoint holds no zeros for its frozen base).
+
+    Example::
+
+        stored_parts(layout, *state_ranges(layout, 2)[1])   # [(a, b, 0), ...]
+    """
+    if not (trainable_only(layout) if only_trainable is None else only_trainable):
+        return [(start, end, 0)] if end > start else []
+    out, at = [], 0
+    for ra, rb, _ in layout.trainable_runs():
+        a, b = max(ra, start), min(rb, end)
+        if a < b:
+            out.append((a, b, at))
+            at += b - a
+    return out
+
+
+def stored_numel(
+    layout: FlatLayout, start: int, end: int, only_trainable: bool | None = None
+) -> int:
+    """Elements an optimizer file of flat range ``[start, end)`` holds per state key."""
+    return sum(b - a for a, b, _ in stored_parts(layout, start, end, only_trainable))
 
 
 def gather_ranges(numel: int, world_size: int, rank: int) -> list[tuple[int, int]]:
@@ -95,7 +152,7 @@ class SharePlan:
     slots: tuple[int, int]  # its run of whole parameters, [lo, hi) in slot indices
     span: tuple[int, int]  # those parameters' elements in the flat buffer; (0, 0) for none
     state_range: tuple[int, int]  # its range of flat optimizer state; (0, 0) when none is saved
-    pieces: tuple[Piece, ...]  # state_range, cut where segments begin and end, in order
+    pieces: tuple[Piece, ...]  # what the file stores of state_range, cut at segments, in order
     tiles: tuple[tuple[int, int], ...] = ()  # every rank's weight tile (:func:`weight_tiles`)
     state_ranges: tuple[tuple[int, int], ...] = ()  # every rank's state range; () when none
 
@@ -137,17 +194,19 @@ def plan_share(
     ranges = tuple(state_ranges(layout, world_size))
     s0, e0 = ranges[rank]
     pieces: list[Piece] = []
-    pos = s0
-    for i in sorted(range(len(segments)), key=lambda i: segments[i][0]):
-        a, b = max(segments[i][0], s0), min(segments[i][1], e0)
-        if a >= b:
-            continue
-        if a > pos:
-            pieces.append(Piece(pos, a, None))  # padding, frozen parameters
-        pieces.append(Piece(a, b, i))
-        pos = b
-    if pos < e0:
-        pieces.append(Piece(pos, e0, None))
+    order = sorted(range(len(segments)), key=lambda i: segments[i][0])
+    for p0, p1, _ in stored_parts(layout, s0, e0):  # what the file stores, in order
+        pos = p0
+        for i in order:
+            a, b = max(segments[i][0], p0), min(segments[i][1], p1)
+            if a >= b:
+                continue
+            if a > pos:
+                pieces.append(Piece(pos, a, None))  # padding, parameters without state
+            pieces.append(Piece(a, b, i))
+            pos = b
+        if pos < p1:
+            pieces.append(Piece(pos, p1, None))
     return SharePlan(rank, world_size, (lo, hi), span, (s0, e0), tuple(pieces), tiles, ranges)
 
 

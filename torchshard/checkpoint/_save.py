@@ -269,7 +269,8 @@ def _write_files(t: Target, share: Share, tmp: Path) -> dict[str, dict[str, Any]
     s, e = share.plan.state_range
     if share.optim and e > s:
         name = optim_file(t.rank, t.world)
-        entries = [(key, dtype, (e - s,)) for key, dtype, _ in share.optim]
+        n = sum(p.end - p.start for p in share.plan.pieces)  # stored: see stored_parts
+        entries = [(key, dtype, (n,)) for key, dtype, _ in share.optim]
         with SafetensorsWriter(tmp / name, entries, {"range": f"{s},{e}"}) as out:
             for _, dtype, pieces in share.optim:
                 for piece in pieces:

@@ -29,7 +29,7 @@ import torch
 from .._flat.hf import transformers_config
 from ._format import build_metadata, step_dir
 from ._optim import OptimizerView
-from ._plan import Piece, SharePlan, plan_share
+from ._plan import Piece, SharePlan, plan_share, stored_parts
 from ._staging import Copy
 from ._target import Target
 
@@ -112,8 +112,10 @@ class _Items:
             self.weights = Item("weights", torch.Size([end - self.base]), fm.dtype, weights)
         self.optim: list[tuple[str, torch.dtype, list[Item | int]]] = []
         if view is not None and plan.state_ranges:
-            # the optimizer holds whole parameters, or local shards that hold the range
-            if not t.owns_state(view.optimizer) or t.covers(plan.state_range):
+            # the optimizer holds whole parameters, or local shards that hold what the file
+            # stores of the range
+            stored = stored_parts(fm.layout, *plan.state_range)
+            if not t.owns_state(view.optimizer) or all(t.covers((a, b)) for a, b, _ in stored):
                 self._state_in_place(view)
             else:
                 self._state_exchanged(view)
@@ -131,13 +133,23 @@ class _Items:
         stripes, (s0, e0) = self.t.stripes, self.plan.state_range
         assert stripes is not None
         ranges = list(self.plan.state_ranges)
+        stored = stored_parts(self.t.fm.layout, s0, e0)
+        dense = stored == [(s0, e0, 0)]
+        n = sum(b - a for a, b, _ in stored)
         for key, dtype in view.flat_keys.items():
             parts = [(seg.start, seg.end, view.source(seg, key)) for seg in view.segments]
 
             def fill(host: torch.Tensor, parts: list = parts) -> None:
-                stripes.assemble(ranges, host, parts)
+                if dense:
+                    stripes.assemble(ranges, host, parts)
+                    return
+                # the whole range, transiently, then the parts the file stores
+                whole = torch.empty(e0 - s0, dtype=host.dtype)
+                stripes.assemble(ranges, whole, parts)
+                for a, b, at in stored:
+                    host[at : at + b - a].copy_(whole[a - s0 : b - s0])
 
-            self.optim.append((key, dtype, [Item(key, torch.Size([e0 - s0]), dtype, fill)]))
+            self.optim.append((key, dtype, [Item(key, torch.Size([n]), dtype, fill)]))
 
     def all(self) -> list[Item]:
         """Every item, in the order of the host memory: those copied from live tensors (the

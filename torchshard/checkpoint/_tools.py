@@ -22,6 +22,7 @@ import torch
 
 from .._errors import ArgumentError
 from ._format import (
+    DENSE_VERSION,
     FORMAT_VERSION,
     commit,
     fsync_dir,
@@ -32,7 +33,7 @@ from ._format import (
     tmp_dir,
 )
 from ._metadata import Metadata, OptimMeta, Readers, read_metadata
-from ._plan import overlap, state_ranges, weight_runs
+from ._plan import overlap, state_ranges, stored_parts, weight_runs
 from ._safetensors import FileRecord, bytes_of
 from ._safetensors_writer import SafetensorsWriter
 
@@ -332,17 +333,24 @@ def reshard(
                 plan.append((model_file(r, world), tensors, None))
             start, end = ranges[r]
             if opt is not None and opt.flat_state and end > start:
+                # what the new file stores of its range (trainable_only as the old ones), from
+                # what the old files store of it
+                out = stored_parts(layout, start, end, opt.trainable_only)
                 pieces = []
                 for file, fs, fe in opt.files:
-                    ov = overlap((fs, fe), (start, end))
-                    if ov is not None:
-                        pieces.append((file, ov[0] - fs, ov[1] - fs))
+                    for ps, pe, pos in stored_parts(layout, fs, fe, opt.trainable_only):
+                        for a0, b0, _ in out:
+                            ov = overlap((ps, pe), (a0, b0))
+                            if ov is not None:
+                                pieces.append((ov[0], file, pos + ov[0] - ps, pos + ov[1] - ps))
+                pieces.sort()
+                n = sum(b - a for a, b, _ in out)
                 state = [
                     _OutTensor(
                         key,
                         dtype,
-                        (end - start,),
-                        tuple(_Piece(f, key, a, b) for f, a, b in pieces),
+                        (n,),
+                        tuple(_Piece(f, key, a, b) for _, f, a, b in pieces),
                     )
                     for key, dtype in opt.flat_state.items()
                 ]
@@ -381,7 +389,8 @@ def _resharded_metadata(
 ) -> dict[str, Any]:
     """``metadata.json`` of the resharded checkpoint, without its ``files``."""
     raw = {k: v for k, v in meta.raw.items() if k != "files"}
-    raw["format_version"] = FORMAT_VERSION
+    sparse = meta.optim is not None and meta.optim.trainable_only
+    raw["format_version"] = FORMAT_VERSION if sparse else DENSE_VERSION
     raw["world_size"] = world
     shard_list = [
         {"file": model_file(r, world), "slots": [a, b]} for r, (a, b) in enumerate(shards) if b > a
