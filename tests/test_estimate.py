@@ -307,6 +307,114 @@ def test_70b_fits_80gib_only_fully_sharded(capsys):
     assert "the smallest world size that fits is 17" in capsys.readouterr().out
 
 
+def _lora_trainer_memory(config: dict, rank: int, targets: list[str]) -> dict[str, dict]:
+    """Each rank: what a real trainer holds after one step of a PEFT LoRA model, per mode."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = dict(config)
+    out = {}
+    for mode, shard in MODES.items():
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_config(AutoConfig.for_model(**values))
+        model = get_peft_model(base, LoraConfig(r=rank, target_modules=targets))
+        fm = FlatParamModule(model, dtype=torch.bfloat16)
+        trainer = DistributedTrainer(fm, shard=shard)
+        trainer.make_optimizer(torch.optim.AdamW, lr=1e-3)
+        ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+        trainer.zero_grad()
+        fm(input_ids=ids, labels=ids).loss.backward()
+        trainer.step()
+        out[mode] = trainer.memory_bytes()
+        trainer.close()
+    return out
+
+
+@pytest.mark.slow
+def test_lora_estimate_is_what_the_trainer_allocates(tmp_path, capsys):
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(TINY["llama"]))
+    ranks = run_distributed(_lora_trainer_memory, 2, TINY["llama"], 4, ["q_proj", "o_proj"])
+    argv = ["estimate", str(path), "--world-size", "2", "--lora-rank", "4", "--json"]
+    assert main([*argv, "--lora-targets", "q_proj,o_proj"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["trainable_parameters"] == 2 * 2 * 4 * (32 + 32)  # layers x targets x r x (in+out)
+    for mode in MODES:
+        real = [r[mode] for r in ranks]
+        totals = [sum(r.values()) for r in real]
+        worst = real[totals.index(max(totals))]
+        assert {k: est[mode][k] for k in worst} == {**worst, "transient": est[mode]["transient"]}
+        assert 0 < real[0]["gradients"] < real[0]["parameters"] / 10 or mode == "full", mode
+
+
+def test_lora_7b(capsys):
+    argv = ["estimate", str(LLAMA_7B), "--world-size", "8", "--lora-rank", "16", "--json"]
+    assert main(argv) == 0  # the default targets: q_proj,v_proj
+    est = json.loads(capsys.readouterr().out)
+    n = 32 * 2 * 16 * (4096 + 4096)  # layers x targets x r x (lora_A's in + lora_B's out)
+    assert n == 8_388_608
+    assert est["trainable_parameters"] == n and est["trainable_tensors"] == 32 * 2 * 2
+    assert est["trainable_bytes"] == 2 * n  # bf16
+    assert est["parameters"] == 6_738_415_616 + n  # the base model's, frozen, and the adapters
+    assert est["lora"] == {"rank": 16, "targets": ["q_proj", "v_proj"]}
+    assert est["model_class"] == "LlamaForCausalLM"
+    rep, sharded = est["replicated"], est["sharded"]
+    # the gradient: the adapters' alone (16 MiB; the whole model's was 13.5 GB), bf16
+    assert 2 * n <= rep["gradients"] <= 1.01 * 2 * n
+    assert rep["gradients"] == sharded["gradients"]
+    assert rep["parameters"] == 2 * est["numel"]  # the frozen weights are still held
+    # AdamW: 2 state tensors per trainable element, in bf16 replicated (no master) ...
+    assert rep["optimizer"] == 2 * 2 * n + 4 * 128  # and a 4-byte step per adapter
+    # ... and in fp32 for each rank's slice when sharded: 8 bytes per trainable element
+    assert 8 * n // 8 <= sharded["optimizer"] <= 8 * n // 8 + 4 * 128
+    assert est["replicated"]["min_world_size"] is None  # no --device-memory
+
+
+def test_lora_table_and_trainable_patterns(capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sets = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128}
+    common = ["--world-size", "2", "--replicated"]
+    common += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    assert main(["estimate", "llama", *common, "--lora-rank", "4"]) == 0
+    out = capsys.readouterr().out
+    n = 2 * 2 * 4 * (64 + 64)
+    assert f"trainable    {n:,} in 8 tensors" in out
+    assert "LoRA r=4 on q_proj, v_proj; the rest frozen" in out
+
+    with torch.device("meta"):
+        oracle = LlamaForCausalLM(LlamaConfig(**sets))
+    names = dict(oracle.named_parameters())
+    trained = {k: p.numel() for k, p in names.items() if re.search("norm|lm_head", k)}
+    assert "lm_head.weight" in trained and len(trained) == 2 * 2 + 2  # 2 per layer, final, head
+    results = []
+    for patterns in (
+        ["--trainable", "norm,lm_head"],
+        ["--trainable", "norm", "--trainable", "lm_head"],
+    ):
+        assert main(["estimate", "llama", *common, *patterns, "--json"]) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    est = results[0]
+    assert results[1] == est
+    assert est["trainable_patterns"] == ["norm", "lm_head"] and est["lora"] is None
+    assert est["trainable_parameters"] == sum(trained.values())
+    assert est["trainable_tensors"] == len(trained)
+    assert est["parameters"] == sum(p.numel() for p in names.values())
+    grads = est["replicated"]["gradients"]
+    assert 2 * sum(trained.values()) <= grads <= 1.01 * 2 * sum(trained.values())
+    # with LoRA, the patterns train besides the adapters
+    assert main(["estimate", "llama", *common, "--lora-rank", "4", "--trainable", "^lm_head"]) == 0
+    out = capsys.readouterr().out
+    assert f"{n + trained['lm_head.weight']:,} in 9 tensors" in out
+
+
+def test_missing_peft_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "peft", None)  # import raises ImportError
+    argv = ["estimate", "llama", "--world-size", "2", "--set", "num_hidden_layers=1"]
+    assert main([*argv, "--lora-rank", "8"]) == 2
+    assert "pip install peft" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
@@ -323,6 +431,34 @@ def test_70b_fits_80gib_only_fully_sharded(capsys):
         (["llama", "--world-size", "0"], "--world-size"),
         (["llama", "--reserve", "1.5"], "--reserve"),
         (["llama", "--prefetch", "-1"], "--prefetch"),
+        (["llama", "--lora-rank", "0"], "--lora-rank"),
+        (["llama", "--lora-targets", "q_proj"], "--lora-targets"),
+        (
+            [
+                "llama",
+                "--set",
+                "num_hidden_layers=1",
+                "--lora-rank",
+                "4",
+                "--lora-targets",
+                "q_proj,qproj",
+            ],
+            "qproj",
+        ),
+        (
+            [
+                "llama",
+                "--set",
+                "num_hidden_layers=1",
+                "--lora-rank",
+                "4",
+                "--lora-targets",
+                "self_attn",
+            ],
+            "LlamaAttention",
+        ),
+        (["llama", "--set", "num_hidden_layers=1", "--trainable", "lm_head,no_such"], "no_such"),
+        (["llama", "--trainable", "(bad"], "(bad"),
     ],
 )
 def test_bad_input_is_one_line_naming_it_and_exit_2(argv, named, capsys):

@@ -247,8 +247,10 @@ ROOT = {  # shared ground floor, and the tools above the wings
     "data": {"_errors"},
     # torchshard estimate: a model on meta -> its estimate -> the table -> its command line
     "_estimate.model": {"_errors", "_flat.layout", "_flat.module", "_log"},
+    "_estimate.trainable": {"_estimate.model"},  # what trains: LoRA (PEFT), name patterns
     "_estimate.estimate": {
         "_estimate.model",
+        "_estimate.trainable",
         "_flat.layout",
         "_parallel.memory",
         "_parallel.modes",
@@ -259,6 +261,7 @@ ROOT = {  # shared ground floor, and the tools above the wings
         "_estimate.estimate",
         "_estimate.model",
         "_estimate.table",
+        "_estimate.trainable",
         "_parallel.modes",
         "_parallel.units",
     },

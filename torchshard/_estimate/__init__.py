@@ -13,8 +13,10 @@ from .estimate import (
 )
 from .model import EstimateError, build_factory, build_hf_model, is_factory, layout_of
 from .table import format_estimate
+from .trainable import DEFAULT_LORA_TARGETS, Trainable
 
 __all__ = [
+    "DEFAULT_LORA_TARGETS",
     "DTYPES",
     "MAX_WORLD_SIZE",
     "NOT_COUNTED",
@@ -22,6 +24,7 @@ __all__ = [
     "EstimateError",
     "MemoryEstimate",
     "ModeEstimate",
+    "Trainable",
     "build_factory",
     "build_hf_model",
     "estimate_memory",

@@ -18,8 +18,9 @@ from .._parallel.units import resolve_units
 from .estimate import DTYPES, OPTIMIZERS, estimate_memory
 from .model import EstimateError, build_factory, build_hf_model, is_factory, layout_of
 from .table import format_estimate
+from .trainable import DEFAULT_LORA_TARGETS, Trainable
 
-__all__ = ["add_parser", "parse_bytes", "parse_override", "run"]
+__all__ = ["add_parser", "parse_bytes", "parse_override", "run", "trainable_of"]
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}  # bare letters: binary
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
@@ -171,8 +172,57 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a config value (JSON values), e.g. --set num_hidden_layers=80",
     )
+    p.add_argument(
+        "--lora-rank",
+        type=_positive_int,
+        metavar="R",
+        help="train PEFT LoRA adapters of rank R (needs peft), the base model frozen",
+    )
+    p.add_argument(
+        "--lora-targets",
+        type=_names,
+        metavar="NAMES",
+        help="with --lora-rank: the modules that get adapters, by the end of their names "
+        f"(default: {','.join(DEFAULT_LORA_TARGETS)})",
+    )
+    p.add_argument(
+        "--trainable",
+        dest="patterns",
+        type=_names,
+        action="append",
+        default=[],
+        metavar="REGEX",
+        help="train only the parameters whose names match (re.search; repeatable or a comma "
+        "list); with --lora-rank, these train besides the adapters",
+    )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return p
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma list, blanks dropped: ``"q_proj, v_proj"`` -> ``("q_proj", "v_proj")``."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected one name or more, got {text!r}")
+    return names
+
+
+def trainable_of(args: argparse.Namespace) -> Trainable:
+    """What trains, from ``--lora-rank``, ``--lora-targets`` and ``--trainable``.
+
+    Example::
+
+        trainable_of(parser.parse_args(["estimate", "llama", "--world-size", "8",
+                                        "--lora-rank", "16"])).lora_rank == 16
+    """
+    if args.lora_targets and args.lora_rank is None:
+        raise EstimateError(
+            f"--lora-targets {','.join(args.lora_targets)}: expected --lora-rank R with it, "
+            "got none"
+        )
+    targets = args.lora_targets or DEFAULT_LORA_TARGETS
+    patterns = tuple(n for names in args.patterns for n in names)
+    return Trainable(lora_rank=args.lora_rank, lora_targets=targets, patterns=patterns)
 
 
 def run(args: argparse.Namespace) -> str:
@@ -183,6 +233,7 @@ def run(args: argparse.Namespace) -> str:
         print(run(parser.parse_args(["estimate", "gpt2", "--world-size", "8"])))
     """
     overrides = dict(args.overrides)
+    trainable = trainable_of(args)  # checked before the model is built
     if is_factory(args.model):
         if overrides:
             raise EstimateError(
@@ -192,6 +243,8 @@ def run(args: argparse.Namespace) -> str:
         model = build_factory(args.model)
     else:
         model = build_hf_model(args.model, overrides)
+    model_class = type(model).__name__
+    model = trainable.apply(model)  # with LoRA, PEFT's model wrapping it
     chosen = [e for e in MODES if getattr(args, f"mode_{e.name}")] or list(MODES)
     layout = layout_of(model, DTYPES[args.dtype])
     report = estimate_memory(
@@ -206,7 +259,8 @@ def run(args: argparse.Namespace) -> str:
         device_memory=args.device_memory,
         reserve=args.reserve,
         model=args.model,
-        model_class=type(model).__name__,
+        model_class=model_class,
+        trainable=trainable,
     )
     if args.json:
         return json.dumps(report.to_dict(), indent=1)

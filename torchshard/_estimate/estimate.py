@@ -20,6 +20,7 @@ from .._parallel.memory import OPTIMIZER_STATES, RankMemory, bounds, floor, plan
 from .._parallel.modes import ALIASES, ModeEntry, entry_for, is_alias, listing
 from .._parallel.units import Unit, layout_units
 from .model import EstimateError
+from .trainable import EVERY_PARAMETER, Trainable
 
 __all__ = [
     "DTYPES",
@@ -93,6 +94,8 @@ class MemoryEstimate:
     tensors: int  # unique parameters
     parameters: int  # their elements
     numel: int  # the flat buffer (with alignment padding)
+    trainable_tensors: int  # the parameters that train (requires_grad)
+    trainable_parameters: int  # their elements: what has gradients and optimizer state
     dtype: torch.dtype
     optimizer: str
     world_size: int
@@ -102,6 +105,12 @@ class MemoryEstimate:
     units: tuple[Unit, ...] = ()  # the units of the mode that gathers them (empty without)
     prefetch: int = 1
     reshard_after_forward: bool = True
+    trainable: Trainable = EVERY_PARAMETER  # how the model was told what trains
+
+    @property
+    def trainable_bytes(self) -> int:
+        """The trainable parameters' bytes in the model's dtype (one gradient's worth)."""
+        return self.trainable_parameters * self.dtype.itemsize
 
     @property
     def budget(self) -> int | None:
@@ -128,6 +137,10 @@ class MemoryEstimate:
             "tensors": self.tensors,
             "parameters": self.parameters,
             "numel": self.numel,
+            "trainable_tensors": self.trainable_tensors,
+            "trainable_parameters": self.trainable_parameters,
+            "trainable_bytes": self.trainable_bytes,
+            **self.trainable.to_dict(),
             "dtype": dtype_name(self.dtype),
             "master_dtype": dtype_name(MASTER_DTYPE),
             "optimizer": self.optimizer,
@@ -179,6 +192,7 @@ def estimate_memory(
     units: Sequence[Unit] | None = None,
     prefetch: int = 1,
     reshard_after_forward: bool = True,
+    trainable: Trainable = EVERY_PARAMETER,
 ) -> MemoryEstimate:
     """Per-rank bytes for training ``layout`` at ``world_size`` in each of ``modes`` (the
     trainer's ``shard`` aliases, by default every mode of the registry), with fp32 master
@@ -186,7 +200,8 @@ def estimate_memory(
     size at which each mode fits.
 
     ``units``, ``prefetch`` and ``reshard_after_forward`` are the fully sharded trainer's
-    (``units=None``: those of ``units="auto"``, found from the slot names).
+    (``units=None``: those of ``units="auto"``, found from the slot names). What trains is
+    the layout's ``requires_grad``; ``trainable`` only says how it was chosen (for the report).
 
     Example::
 
@@ -244,6 +259,8 @@ def estimate_memory(
         tensors=len(layout),
         parameters=layout.param_numel,
         numel=layout.numel,
+        trainable_tensors=len(layout.trainable),
+        trainable_parameters=sum(layout.slots[i].numel for i in layout.trainable),
         dtype=layout.torch_dtype,
         optimizer=optimizer,
         world_size=world_size,
@@ -253,4 +270,5 @@ def estimate_memory(
         units=chosen,
         prefetch=prefetch,
         reshard_after_forward=reshard_after_forward,
+        trainable=trainable,
     )

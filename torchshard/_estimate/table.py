@@ -31,6 +31,17 @@ def _precision(r: MemoryEstimate, short: str) -> str:
     return f" ({'; '.join(parts)})" if parts else ""
 
 
+def _trainable_line(r: MemoryEstimate) -> str:
+    """How many parameters train, their bytes in the model's dtype, and how they were chosen."""
+    size = r.trainable_bytes
+    unit, scale = ("GiB", 2**30) if size >= 2**30 else ("MiB", 2**20)
+    how = r.trainable.describe() if not r.trainable.everything else "the rest frozen"
+    return (
+        f"trainable    {r.trainable_parameters:,} in {r.trainable_tensors} tensors "
+        f"({size / scale:,.2f} {unit} of {dtype_name(r.dtype)}): {how}"
+    )
+
+
 def _unit_lines(r: MemoryEstimate, short: str, name: str) -> list[str]:
     """What the mode ``name`` gathers, and what its ``transient`` row counts."""
     gathered = [u for u in r.units if not u.kept]
@@ -72,6 +83,8 @@ def format_estimate(r: MemoryEstimate) -> str:
         f"parameters   {r.parameters:,} in {r.tensors} tensors; flat buffer {r.numel:,} "
         f"elements of {dtype_name(r.dtype)}"
     )
+    if not r.trainable.everything or r.trainable_parameters != r.parameters:
+        lines.append(_trainable_line(r))
     lines.append(
         f"training     {_OPTIMIZER_NAMES[r.optimizer]} at world size {r.world_size}"
         f"{_precision(r, short)}"
