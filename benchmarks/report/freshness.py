@@ -56,6 +56,8 @@ MEASURES: dict[str, tuple[str, ...]] = {
         "torchshard/_parallel/units.py",
         "torchshard/checkpoint",
     ),
+    # a PEFT Llama (transformers, peft: not hashed, as torch is not) in every mode
+    "lora": ("benchmarks/bench_lora.py", *_ALL_MODES, "benchmarks/_common.py"),
 }
 
 

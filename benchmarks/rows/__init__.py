@@ -6,6 +6,14 @@ A new benchmark adds its module here and its rows to :data:`ROWS`, in table orde
 
 from __future__ import annotations
 
-from . import checkpoint, flat, full, scale, sharded, trainer
+from . import checkpoint, flat, full, lora, scale, sharded, trainer
 
-ROWS = (*flat.ROWS, *trainer.ROWS, *sharded.ROWS, *full.ROWS, *checkpoint.ROWS, *scale.ROWS)
+ROWS = (
+    *flat.ROWS,
+    *trainer.ROWS,
+    *sharded.ROWS,
+    *full.ROWS,
+    *checkpoint.ROWS,
+    *lora.ROWS,
+    *scale.ROWS,
+)
