@@ -186,9 +186,11 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "checkpoint._metadata",
         "checkpoint._optim",
         "checkpoint._plan",
+        "checkpoint._reads",
         "checkpoint._rules",
         "checkpoint._target",
     },
+    "checkpoint._reads": {"checkpoint._metadata", "checkpoint._plan"},
     "checkpoint._rendezvous": {"_dist", "_errors", "_log", "checkpoint._target"},
     # save: staging, the share from one plan, the writer and commit; never load (the
     # manager is above both)

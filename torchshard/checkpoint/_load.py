@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,8 @@ from .._log import get_logger
 from ._format import METADATA, complete_checkpoints, resolve
 from ._metadata import Metadata, Readers, read_metadata
 from ._optim import MASTER, OptimizerView, group_problem, restore_group_values
-from ._plan import gather_ranges, overlap, stored_parts
+from ._plan import gather_ranges, overlap, state_numel, state_position, state_reads
+from ._reads import Parts, packed, read_state, zero_gaps
 from ._rules import OPTIMIZER_RULES
 from ._target import Checkpointable, CheckpointInfo, Target
 
@@ -92,51 +94,6 @@ def _check_compatible(meta: Metadata, t: Target, optimizer: torch.optim.Optimize
         )
 
 
-Parts = list[tuple[int, int, int]]
-"""``(start, end, at)``: flat elements ``[start, end)`` are ``[at, at + end - start)`` of what
-is read."""
-
-
-def _packed(ranges: list[tuple[int, int]]) -> Parts:
-    """``ranges`` read one after the other into one tensor."""
-    out, at = [], 0
-    for a, b in ranges:
-        out.append((a, b, at))
-        at += b - a
-    return out
-
-
-def _zero_gaps(into: torch.Tensor, written: list[tuple[int, int]]) -> None:
-    """Zero what no read wrote (alignment gaps, a stripe's padding), range by range: the rest
-    was read, so the buffer is allocated empty rather than zeroed whole."""
-    pos = 0
-    for a, b in sorted(written):
-        if a > pos:
-            into[pos:a].zero_()
-        pos = max(pos, b)
-    if pos < into.numel():
-        into[pos:].zero_()
-
-
-def _read_state(
-    readers: Readers, meta: Metadata, key: str, parts: Parts, into: torch.Tensor
-) -> list[tuple[int, int]]:
-    """Read flat state ``key``'s ``parts`` from the optimizer files into ``into``; the ranges
-    of ``into`` written (what the files store of them: all, or the trainable parameters')."""
-    assert meta.optim is not None
-    written = []
-    for file, fs, fe in meta.optim.files:
-        for ps, pe, pos in stored_parts(meta.layout, fs, fe, meta.optim.trainable_only):
-            for rs, re, at in parts:
-                ov = overlap((ps, pe), (rs, re))
-                if ov is not None:
-                    a, b = ov
-                    dst = into[at + a - rs : at + b - rs]
-                    readers[file].read_into(key, pos + a - ps, pos + b - ps, dst)
-                    written.append((at + a - rs, at + b - rs))
-    return written
-
-
 @dataclasses.dataclass
 class _Read:
     """This rank's part of a checkpoint, in host memory, before anything changed."""
@@ -165,7 +122,7 @@ def _read_share(
     two and keep it pinned after the load.
     """
     layout = t.fm.layout
-    equal = _packed(gather_ranges(layout.numel, t.world, t.rank))
+    equal = packed(gather_ranges(layout.numel, t.world, t.rank))
     shards = (list(t.stripes.runs), t.stripes.tensor.numel()) if t.stripes else ([], 0)
     mine, numel = (equal, sum(b - a for a, b, _ in equal)) if t.fm.is_bound else shards
     own = t.owns_state(optimizer)
@@ -183,7 +140,7 @@ def _read_share(
                 dst = weights[at + a - rs : at + b - rs]
                 readers[shard["file"]].read_into(slot.name, a - slot.offset, b - slot.offset, dst)
                 written.append((at + a - rs, at + b - rs))
-    _zero_gaps(weights, written)
+    zero_gaps(weights, written)
     buffers = {}
     for name, want in t.buffers().items():
         file = meta.buffers[name]
@@ -195,7 +152,14 @@ def _read_share(
     if optimizer is not None:
         assert meta.optim is not None
         takes_master = OptimizerView.of(optimizer, t).has_master
-        parts, state_numel = shards if own else (equal, sum(b - a for a, b, _ in equal))
+        if own:
+            parts, n = shards
+        else:  # equal parts of the state held whole (the trainable parameters' alone)
+            held = packed(gather_ranges(state_numel(layout), t.world, t.rank))
+            parts = [
+                (a, b, at + pos - x) for x, y, at in held for a, b, pos in state_reads(layout, x, y)
+            ]
+            n = sum(y - x for x, y, _ in held)
         for key, dtype in meta.optim.flat_state.items():
             if key == MASTER and not takes_master:
                 continue
@@ -203,11 +167,12 @@ def _read_share(
             # full-size tensors, in place: they only become live in load_state_dict, after
             # every rank has succeeded, and the all-gather fills the rest.
             if t.device.type == "cpu" and not own:
-                host = torch.empty(layout.numel, dtype=dtype)
-                _read_state(readers, meta, key, [(a, b, a) for a, b, _ in parts], host)
+                host = torch.empty(state_numel(layout), dtype=dtype)
+                reads = [(a, b, pos) for x, y, _ in held for a, b, pos in state_reads(layout, x, y)]
+                read_state(readers, meta, key, reads, host)
             else:
-                host = torch.empty(state_numel, dtype=dtype)
-                _zero_gaps(host, _read_state(readers, meta, key, parts, host))
+                host = torch.empty(n, dtype=dtype)
+                zero_gaps(host, read_state(readers, meta, key, parts, host))
             state[key] = host
     return _Read(weights, mine, buffers, state)
 
@@ -266,20 +231,19 @@ def _apply(
     meta: Metadata, t: Target, share: _Read, optimizer: torch.optim.Optimizer | None
 ) -> None:
     layout = t.fm.layout
-    equal = _packed(gather_ranges(layout.numel, t.world, t.rank))
     pending: list[dist.Work] = []
     by_broadcast = t.world > 1 and dist.get_backend(t.group) in BROADCAST_BACKENDS
 
-    def fill(full: torch.Tensor, mine: torch.Tensor | None) -> None:
-        """This rank's equal parts of ``full`` from ``mine`` (``None``: read in place), then
-        the exchange of the rest, started, not waited for."""
-        for a, b, at in equal if mine is not None else ():
+    def fill(full: torch.Tensor, mine: torch.Tensor | None, n: int) -> None:
+        """This rank's equal parts of ``full[:n]`` from ``mine`` (``None``: read in place),
+        then the exchange of the rest, started, not waited for."""
+        for a, b, at in packed(gather_ranges(n, t.world, t.rank)) if mine is not None else ():
             full[a:b].copy_(mine[at : at + b - a], non_blocking=True)
-        pending.extend(_gather_parts(full, layout.numel // t.world, t, by_broadcast=by_broadcast))
+        pending.extend(_gather_parts(full, n // t.world, t, by_broadcast=by_broadcast))
 
     flat = t.fm.flat_param
     if flat is not None:
-        fill(flat, share.weights)
+        fill(flat, share.weights, layout.numel)
     else:  # read for the local shards' runs, laid out like their tensor; in its dtype: a bf16
         # buffer's fp32 master is the bf16 weights until a saved master overrides it below
         assert t.stripes is not None
@@ -304,16 +268,16 @@ def _apply(
     for key, host in share.optim.items():
         if own:
             flat_state[key] = host.to(t.device, copy=True)
-        elif host.numel() == layout.numel:  # read in place (CPU): only the exchange is left
+        elif host.numel() == state_numel(layout):  # read in place (CPU): the exchange is left
             flat_state[key] = host
-            fill(host, None)
+            fill(host, None, host.numel())
         else:
-            flat_state[key] = torch.empty(layout.numel, dtype=host.dtype, device=t.device)
-            fill(flat_state[key], host)
+            flat_state[key] = torch.empty(state_numel(layout), dtype=host.dtype, device=t.device)
+            fill(flat_state[key], host, state_numel(layout))
     for work in pending:  # the weights and the state, gathered at once
         work.wait()
     _to_shards(t)  # a saved master, if any, overrides it below
-    at = t.stripes.position if own and t.stripes is not None else (lambda a: a)
+    at = t.stripes.position if own and t.stripes is not None else partial(state_position, layout)
     segment = {id(seg.tensor): seg for seg in view.segments}
     scalars, stateful = meta.optim.scalar_state, meta.optim.stateful
     rules = meta.optim.rules
@@ -324,6 +288,8 @@ def _apply(
         keys = set(flat_state) - {MASTER} if rules is None else rules.flat(saved)
         for p in group["params"]:
             seg = segment.get(id(p))  # None: the sharded trainer's empty placeholder
+            if seg is not None and not layout.slots[seg.slot].requires_grad:
+                seg = None  # a frozen parameter in a plain optimizer: it has no state
             if seg is not None:
                 a, b = at(seg.start), at(seg.start) + seg.end - seg.start
             if seg is not None and MASTER in flat_state:
