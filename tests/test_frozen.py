@@ -280,3 +280,57 @@ def test_a_lora_checkpoint_stores_optimizer_state_for_the_adapters_alone(tmp_pat
         checkpoint.load(root, other, optimizer=other.optimizer)
         assert differences(flat_state(other), want) == [], root
         other.close()
+
+
+# -- a checkpoint of the adapters alone ----------------------------------------------------------
+def _adapters_save(root: str, shard: bool | str, snapshot: str) -> None:
+    torch.manual_seed(0)
+    fm = FlatParamModule(LoRANet())
+    trainer = DistributedTrainer(fm, shard=shard, bucket_mb=0.002)
+    trainer.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    for step in range(3):
+        x, y = data(dist.get_rank(), step)
+        trainer.zero_grad()
+        F.mse_loss(fm(x), y).backward()
+        trainer.step()
+    checkpoint.save(root, trainer, step=3, optimizer=trainer.optimizer, frozen=False)
+    state = flat_state(trainer)
+    if dist.get_rank() == 0:
+        torch.save(state, snapshot)
+    trainer.close()
+
+
+def _adapters_load(root: str, shard: bool | str, snapshot: str) -> list[str]:
+    torch.manual_seed(0)  # the same base: as if loaded from its pretrained weights
+    model = LoRANet()
+    with torch.no_grad():  # adapters and norms elsewhere: the load must bring them back
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.uniform_(-1, 1)
+    fm = FlatParamModule(model)
+    trainer = DistributedTrainer(fm, shard=shard, bucket_mb=0.002)
+    trainer.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    checkpoint.load(root, trainer, optimizer=trainer.optimizer)
+    got = flat_state(trainer)
+    trainer.close()
+    return differences(got, torch.load(snapshot, weights_only=True))
+
+
+@pytest.mark.parametrize(
+    ("save", "load"),
+    [((2, True), (3, "full")), ((3, "full"), (2, False))],
+    ids=["sharded2-to-full3", "full3-to-replicated2"],
+)
+def test_a_checkpoint_of_the_adapters_alone_resumes_over_the_base(tmp_path, save, load):
+    root, snapshot = str(tmp_path / "ckpt"), str(tmp_path / "state.pt")
+    run_distributed(_adapters_save, save[0], root, save[1], snapshot, timeout=120)
+    (path,) = (tmp_path / "ckpt").glob("step-*")
+    weights = sum(f.stat().st_size for f in path.glob("model-*.safetensors"))
+    state = sum(f.stat().st_size for f in path.glob("optim-*.safetensors"))
+    adapters = trainable_bytes(LoRANet())
+    # the adapters (and the trainable norms), their AdamW state; headers aside
+    assert weights + state <= 1.05 * 3 * adapters + 4096 * save[0], (weights, state, adapters)
+    for r in run_distributed(_adapters_load, load[0], root, load[1], snapshot, timeout=120):
+        assert r == [], r
+    with pytest.raises(checkpoint.CheckpointError, match="saved with frozen=False"):
+        checkpoint.consolidate(path, tmp_path / "model.safetensors")

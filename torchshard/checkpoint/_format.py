@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import CheckpointError
-from .._flat.layout import FlatLayout
+from .._flat.layout import FlatLayout, ParamSlot
 from .._log import get_logger
 from ._plan import state_ranges, trainable_only, weight_runs
 from ._rules import ADVICE
@@ -37,6 +37,7 @@ __all__ = [
     "prepare",
     "resolve",
     "rotate",
+    "saved_slots",
     "seal",
     "step_dir",
     "step_of",
@@ -155,6 +156,19 @@ def write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def saved_slots(layout: FlatLayout, lo: int, hi: int, metadata: dict[str, Any]) -> list[ParamSlot]:
+    """The slots of ``[lo, hi)`` that a model file of the checkpoint whose ``metadata.json``
+    is ``metadata`` holds: every one, or the trainable ones of a checkpoint saved with
+    ``frozen=False`` (``"weights": {"frozen": false}``: a LoRA checkpoint of the adapters).
+
+    Example::
+
+        names = [s.name for s in saved_slots(meta.layout, lo, hi, meta.raw)]
+    """
+    frozen = metadata["weights"].get("frozen", True) is not False
+    return [s for s in layout.slots[lo:hi] if frozen or s.requires_grad]
+
+
 def index_json(metadata: dict[str, Any], buffer_bytes: int) -> dict[str, Any]:
     """``model.safetensors.index.json`` of a checkpoint whose ``metadata.json`` is ``metadata``
     (``buffer_bytes``: the module buffers' bytes, for ``total_size``)."""
@@ -162,7 +176,7 @@ def index_json(metadata: dict[str, Any], buffer_bytes: int) -> dict[str, Any]:
     weight_map, total = {}, buffer_bytes
     for shard in metadata["weights"]["shards"]:
         lo, hi = shard["slots"]
-        for s in layout.slots[lo:hi]:
+        for s in saved_slots(layout, lo, hi, metadata):
             weight_map[s.name] = shard["file"]
             total += s.numel * layout.torch_dtype.itemsize
     weight_map.update(metadata["weights"]["buffers"])
@@ -219,6 +233,7 @@ def build_metadata(
     optimizer: dict[str, Any] | None,
     extra: dict[str, Any],
     model_config: dict[str, Any] | None = None,
+    frozen: bool = True,
 ) -> dict[str, Any]:
     """``metadata.json`` of a save at ``world_size``, without ``files`` (pure: no tensors).
 
@@ -243,6 +258,9 @@ def build_metadata(
         "extra": extra,
         "model_config": model_config,
     }
+    if not frozen and trainable_only(layout):  # the model files hold no frozen weight
+        meta["weights"]["frozen"] = False
+        meta["format_version"] = FORMAT_VERSION
     if optimizer is not None:
         ranges = state_ranges(layout, world_size)
         files = [

@@ -18,7 +18,7 @@ import torch
 
 from .._errors import CheckpointError, and_more
 from .._flat.layout import dtype_name
-from ._format import INDEX, METADATA, complete_checkpoints, index_json, resolve
+from ._format import INDEX, METADATA, complete_checkpoints, index_json, resolve, saved_slots
 from ._metadata import Metadata, OptimMeta, read_metadata
 from ._plan import stored_parts
 from ._safetensors import FileRecord, SafetensorsReader
@@ -123,7 +123,8 @@ def _expected_tensors(
     for w in meta.weights:
         lo, hi = w["slots"]
         want[w["file"]] += [
-            (s.name, meta.layout.torch_dtype, s.shape) for s in meta.layout.slots[lo:hi]
+            (s.name, meta.layout.torch_dtype, s.shape)
+            for s in saved_slots(meta.layout, lo, hi, meta.raw)
         ]
     for name, file in meta.buffers.items():
         want[file].append((name, None, None))

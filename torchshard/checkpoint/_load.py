@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .._errors import CheckpointError
 from .._flat.layout import dtype_from_name
 from .._log import get_logger
-from ._format import METADATA, complete_checkpoints, resolve
+from ._format import METADATA, complete_checkpoints, resolve, saved_slots
 from ._metadata import Metadata, Readers, read_metadata
 from ._optim import MASTER, OptimizerView, group_problem, restore_group_values
 from ._plan import gather_ranges, overlap, state_numel, state_position, state_reads
@@ -128,18 +128,24 @@ def _read_share(
     own = t.owns_state(optimizer)
     weights = torch.empty(numel, dtype=layout.torch_dtype)
     written = []
+    live = t.fm.flat_param if t.fm.is_bound else t.stripes.tensor if t.stripes else None
     for shard in meta.weights:
         lo, hi = shard["slots"]
+        saved = {s.name for s in saved_slots(layout, lo, hi, meta.raw)}
         for slot in layout.slots[lo:hi]:
             for rs, re, at in mine:
                 ov = overlap((slot.offset, slot.end), (rs, re))
                 if ov is None:
                     continue
-                readers.entry(shard["file"], slot.name, layout.torch_dtype, slot.shape)
                 a, b = ov
                 dst = weights[at + a - rs : at + b - rs]
-                readers[shard["file"]].read_into(slot.name, a - slot.offset, b - slot.offset, dst)
                 written.append((at + a - rs, at + b - rs))
+                if slot.name not in saved:  # saved with frozen=False: the model's own stays
+                    assert live is not None
+                    dst.copy_(live[a:b] if t.fm.is_bound else live[at + a - rs : at + b - rs])
+                    continue
+                readers.entry(shard["file"], slot.name, layout.torch_dtype, slot.shape)
+                readers[shard["file"]].read_into(slot.name, a - slot.offset, b - slot.offset, dst)
     zero_gaps(weights, written)
     buffers = {}
     for name, want in t.buffers().items():

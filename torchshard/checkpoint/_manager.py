@@ -77,10 +77,12 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer | None = None,
         extra: dict[str, Any] | None = None,
         blocking: bool = False,
+        frozen: bool = True,
     ) -> CheckpointFuture:
-        """Start a save (see :func:`async_save`); with ``blocking=True`` also wait for the commit."""
+        """Start a save (see :func:`async_save`); with ``blocking=True`` also wait for the commit;
+        ``frozen=False`` leaves the frozen parameters' weights out (see :func:`save`)."""
         future = self._writer.save(
-            self.root, trainer, step, optimizer, extra, self.keep_last, blocking=blocking
+            self.root, trainer, step, optimizer, extra, self.keep_last, blocking, frozen
         )
         if blocking:
             future.wait()

@@ -133,6 +133,7 @@ class Writer:
         extra: dict[str, Any] | None,
         keep_last: int | None,
         blocking: bool = False,
+        frozen: bool = True,
     ) -> CheckpointFuture:
         previous = self._inflight
         if previous is not None:
@@ -154,7 +155,7 @@ class Writer:
         # A save the caller waits for writes host tensors straight from where they live.
         stage = cuda or not blocking
         carve = (lambda specs: self.arena.carve(specs, pin=cuda)) if stage else None
-        share, early, late = collect(target, root, step, optimizer, extra_json, carve)
+        share, early, late = collect(target, root, step, optimizer, extra_json, carve, frozen)
         stager: Stager
         if cuda:
             stager = gpu = CudaStager(device, self._fence, fenced=optimizer is not None)
@@ -300,6 +301,7 @@ def async_save(
     step: int,
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict[str, Any] | None = None,
+    frozen: bool = True,
 ) -> CheckpointFuture:
     """Start saving a checkpoint of ``trainer`` (and ``optimizer``) as ``root/step-N``; return at once.
 
@@ -332,7 +334,7 @@ def async_save(
         ...                       # keep training
         future.wait()             # the checkpoint is committed
     """
-    return _writer().save(Path(root), trainer, step, optimizer, extra, keep_last=None)
+    return _writer().save(Path(root), trainer, step, optimizer, extra, None, frozen=frozen)
 
 
 def save(
@@ -342,8 +344,14 @@ def save(
     step: int,
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict[str, Any] | None = None,
+    frozen: bool = True,
 ) -> Path:
     """Save a checkpoint and wait until it is committed; returns its directory.
+
+    ``frozen=False``: the model files leave out the frozen parameters' weights (a LoRA
+    checkpoint of the adapters and their optimizer state); a load then keeps the weights
+    the model holds for them (its base, loaded from the pretrained weights first), and
+    ``consolidate`` refuses it. (``async_save`` and ``Checkpointer.save`` take it too.)
 
     On CPU the files are written straight from the live tensors: no staging
     copy, no host memory kept afterwards (with ``shard="full"``, from this
@@ -353,4 +361,5 @@ def save(
 
         path = torchshard.checkpoint.save("ckpt", trainer, step=100, optimizer=opt)
     """
-    return _writer().save(Path(root), trainer, step, optimizer, extra, None, blocking=True).wait()
+    writer = _writer()
+    return writer.save(Path(root), trainer, step, optimizer, extra, None, True, frozen).wait()

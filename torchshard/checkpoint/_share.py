@@ -175,6 +175,7 @@ def collect(
     optimizer: torch.optim.Optimizer | None,
     extra: dict[str, Any],
     carve: Carve | None,
+    frozen: bool = True,
 ) -> tuple[Share, list[Copy], list[Copy]]:
     """This rank's share (the steps of the module docstring), and the copies that stage it
     into the host tensors ``carve`` hands out (``None``: the files are written straight
@@ -212,7 +213,8 @@ def collect(
     if hi > lo and weights is not None and weights.host is not None:
         host, base = weights.host, items.base
         for s in layout.slots[lo:hi]:
-            share.weights.append((s.name, host[s.offset - base : s.end - base].view(s.shape)))
+            if frozen or s.requires_grad:  # frozen=False: the model files hold no frozen weight
+                share.weights.append((s.name, host[s.offset - base : s.end - base].view(s.shape)))
     for name, item in items.buffers:
         assert item.host is not None
         share.weights.append((name, item.host))
@@ -223,7 +225,9 @@ def collect(
         optim_meta = view.metadata(scalars) if view is not None else None
         config = transformers_config(t.fm.module, layout.torch_dtype)
         buffers = [name for name, _ in items.buffers]
-        share.metadata = build_metadata(layout, t.world, step, buffers, optim_meta, extra, config)
+        share.metadata = build_metadata(
+            layout, t.world, step, buffers, optim_meta, extra, config, frozen
+        )
     if carve is None:  # written from the live tensors: nothing to copy
         return share, [], []
     copies: list[Copy] = []

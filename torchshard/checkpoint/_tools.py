@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .._errors import ArgumentError
+from .._errors import ArgumentError, CheckpointError
 from ._format import (
     DENSE_VERSION,
     FORMAT_VERSION,
@@ -29,6 +29,7 @@ from ._format import (
     model_file,
     optim_file,
     resolve,
+    saved_slots,
     step_dir,
     tmp_dir,
 )
@@ -183,6 +184,11 @@ def consolidate(
         consolidate("runs/llama", "llama-hf")      # AutoModelForCausalLM.from_pretrained("llama-hf")
     """
     meta, _ = _open(path)
+    if meta.raw["weights"].get("frozen", True) is False:
+        raise CheckpointError(
+            f"{meta.path}: saved with frozen=False, it holds no frozen weights (the adapters "
+            "of a LoRA run, without their base); consolidate a checkpoint saved with them"
+        )
     out = Path(out)
     if out.suffix != ".safetensors":
         return _consolidate_dir(meta, out, aliases, progress or Progress())
@@ -308,6 +314,7 @@ def reshard(
     progress = progress or Progress()
     readers = Readers(meta)
     src_file = {i: w["file"] for w in meta.weights for i in range(*w["slots"])}
+    saved = {s.name for s in saved_slots(layout, 0, len(layout), meta.raw)}
     shards = weight_runs(layout, world)
     ranges = state_ranges(layout, world)
     plan: list[tuple[str, list[_OutTensor], dict[str, str] | None]] = []
@@ -326,10 +333,11 @@ def reshard(
                     s.name, layout.torch_dtype, s.shape, (_Piece(src_file[i], s.name, 0, s.numel),)
                 )
                 for i, s in enumerate(layout.slots[lo:hi], start=lo)
+                if s.name in saved  # frozen=False: the trainable ones only
             ]
             if r == 0:
                 tensors += buffers
-            if tensors:
+            if tensors or hi > lo:  # (frozen=False: a run of frozen weights alone is empty)
                 plan.append((model_file(r, world), tensors, None))
             start, end = ranges[r]
             if opt is not None and opt.flat_state and end > start:
