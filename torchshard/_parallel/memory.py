@@ -67,17 +67,20 @@ def plan_memory(
         prefetch, reshard_after_forward: fully sharded, with an alias: as the trainer's;
             they set ``transient`` (:func:`transient_bytes`).
 
-    Replicated and sharded: parameters and gradients are one padded flat buffer each
-    (the sharded buffer padded to ``world_size`` equal slices). Optimizer: the
-    elementwise state for every trainable element the rank updates (all of them when
-    replicated, its slice's when sharded), in the dtype of what it updates, plus a
-    4-byte scalar (Adam's ``step``) per parameter or piece. Master (sharded, when the
-    buffer's dtype is not ``master_dtype``): the fp32 slice and its gradient.
+    Replicated and sharded: parameters are one padded flat buffer; gradients one for the
+    trainable parameters alone (``layout.grad_layout``; the sharded ones padded to
+    ``world_size`` equal slices of it). Optimizer: the elementwise state for every
+    trainable element the rank updates (all of them when replicated, its slice's when
+    sharded), in the dtype of what it updates, plus a 4-byte scalar (Adam's ``step``) per
+    parameter or piece. Master (sharded, when the buffer's dtype is not
+    ``master_dtype``): the fp32 slice and its gradient; with frozen parameters, also a
+    copy of the trainable weights laid out like their gradient (what is all-gathered).
 
     Fully sharded: the rank's stripe of every unit (``S = sum_u P_u / world_size``
     elements) and its gradient, in ``master_dtype`` when the model's dtype differs
     (reported as ``master``: ``2 * S`` elements; ``parameters = gradients = 0``), else
-    in the model's dtype (``parameters = gradients = S`` elements); the optimizer's
+    in the model's dtype (``parameters = gradients = S`` elements); with frozen
+    parameters the gradient covers the stripes' trainable elements only; the optimizer's
     state for the trainable elements of the stripes, one piece per parameter and
     stripe; ``transient`` the unit buffers. With AdamW, bf16 and an fp32 master that
     is ``16 * S`` bytes, about 16 bytes per parameter over the world size.
