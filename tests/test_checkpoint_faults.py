@@ -264,12 +264,16 @@ def test_a_rank_that_is_alive_but_never_saves_is_a_timeout_naming_the_step(tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120 + 300 + 60)  # its own limits: B's start, then both nodes' run
+@pytest.mark.timeout(120 + 180 + 60)  # its own limits: A's first checkpoint, then both nodes'
 def test_elastic_node_joins_and_the_job_resumes_at_the_new_world_size(tmp_path):
     """torchrun --nnodes 1:2 on loopback: node A trains alone, node B joins, both restart at
     world size 2 from A's latest checkpoint, data position included. torch's shared agent
     store fails this re-rendezvous on its own (role_info wait timeout); hence the
-    README's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for elastic runs."""
+    README's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for elastic runs.
+
+    A runs train_gpt.py through elastic_worker.py, which waits at world size 1 once step
+    100 is committed: B joins a world of one that has a checkpoint, whatever the timing,
+    and world 2 trains steps 101 to 200 only."""
     port = free_port()
     cmd = [
         *(
@@ -283,8 +287,8 @@ def test_elastic_node_joins_and_the_job_resumes_at_the_new_world_size(tmp_path):
         ),
         *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "el"),
         *("--rdzv-conf", "last_call_timeout=1", "--max-restarts", "3", "--monitor-interval", "0.1"),
-        str(HERE.parent / "examples" / "train_gpt.py"),
-        *("--preset", "tiny", "--block-size", "32", "--batch-size", "12", "--steps", "8000"),
+        str(HERE / "elastic_worker.py"),
+        *("--preset", "tiny", "--block-size", "32", "--batch-size", "12", "--steps", "200"),
         *("--save-every", "100", "--log-every", "1000", "--threads", "1", "--num-workers", "0"),
         *("--ckpt-dir", str(tmp_path / "ckpt"), "--resume"),
     ]
@@ -295,19 +299,25 @@ def test_elastic_node_joins_and_the_job_resumes_at_the_new_world_size(tmp_path):
         with open(logs[0], "w") as out:
             procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 120
-        while "world 1 on cpu" not in logs[0].read_text():  # A trains alone: now B joins
+        # A trained alone and committed step 100: now B joins
+        while "waiting for a node to join" not in logs[0].read_text():
             assert procs[0].poll() is None and time.monotonic() < deadline, logs[0].read_text()
             time.sleep(0.2)
         with open(logs[1], "w") as out:
             procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
-        codes = [p.wait(timeout=300) for p in procs]
+        deadline = time.monotonic() + 180
+        while any(p.poll() is None for p in procs):
+            assert time.monotonic() < deadline, logs[0].read_text() + logs[1].read_text()
+            time.sleep(0.2)
+        codes = [p.returncode for p in procs]
     finally:
         for p in procs:
             p.kill()
     text = logs[0].read_text() + logs[1].read_text()
     assert codes == [0, 0], text
-    assert re.search(r"resumed from \S+/step-\d+ \(saved at world size 1", text), text
-    assert "world 2 on cpu" in text and "data: epoch" in text, text
+    assert "world 1 on cpu" in text, text
+    assert re.search(r"resumed from \S+/step-00000100 \(saved at world size 1", text), text
+    assert "world 2 on cpu" in text and "data: epoch 0, global batch 100 of" in text, text
     assert "done: first logged loss" in text, text
 
 
