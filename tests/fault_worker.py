@@ -12,7 +12,8 @@ background write of that step's checkpoint, after part of a file is written),
 ``after-save`` (once that checkpoint is committed) or ``in-commit`` (rank 0 between the
 last rank's files and the commit). At the end each rank writes every parameter and
 optimizer state tensor as raw bytes under ``OUT_DIR/final-rankR/``, and each attempt appends
-a line to ``OUT_DIR/attempts.log``: the oracle is the same run never interrupted.
+a line to ``OUT_DIR/attempts.log``: the oracle is the same run never interrupted
+(``main([OUT_DIR, ...])`` on ranks that a test harness started: no launcher needed).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from torchshard import checkpoint
 GLOBAL_BATCH = 12
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
     p.add_argument("--steps", type=int, default=12)
@@ -52,7 +53,7 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--blocking", action="store_true", help="wait for each save's commit")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def shard_mode(value: str) -> str:
@@ -84,8 +85,8 @@ def die(why: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main() -> None:
-    args = parse()
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     torch.set_num_threads(1)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     kill_step, kill_rank, when = -1, -1, ""
