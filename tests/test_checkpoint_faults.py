@@ -1,9 +1,10 @@
 """Faults, survived: workers killed under torchrun, dead ranks, concurrent groups saving.
 
 The restart tests run the real launcher (``python -m torch.distributed.run
---max-restarts 1``) on ``fault_worker.py``, which SIGKILLs one rank at a chosen point
-on the first attempt only; the oracle is the same run never interrupted, compared
-bitwise: every parameter and every optimizer state tensor of every rank.
+--max-restarts N``) on ``fault_worker.py``, which SIGKILLs one rank at a chosen point on
+each of the first N attempts (a chain of N faults, one launch per mode); the oracle is the
+same run never interrupted, compared bitwise: every parameter and every optimizer state
+tensor of every rank.
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def torchrun(out: Path, *args: str) -> subprocess.CompletedProcess:
+def torchrun(out: Path, *args: str, restarts: int = 1) -> subprocess.CompletedProcess:
     cmd = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
-        *("--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1"),
+        *("--nproc-per-node", "2", "--max-restarts", str(restarts), "--monitor-interval", "0.1"),
         *(WORKER, str(out), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *args),
     ]
     out.mkdir(parents=True)
@@ -91,16 +92,47 @@ def oracle(tmp_path_factory) -> Callable[[bool | str], dict[str, bytes]]:
     return state
 
 
-# (kill, mode, the steps the restarted attempt may resume from: the last committed)
+# (kill, mode, the steps the attempt after it may resume from: the last committed). The kills
+# of one mode make one chain, in one torchrun launch: attempt k dies of the mode's k-th kill
+# and attempt k + 1 resumes (a launch per kill costs a launcher and two more fresh workers).
+# In the chain every step-6 kill starts from step 3 (the one before lost step 6), so the
+# kill between saves comes last, one step after step 9's save began.
 FAULTS = [
-    ("7:1:before-save", False, {3, 6}),  # between saves; step 6's async save may be unfinished
     ("6:1:during-save", False, {3}),  # rank 1 dies with half a file written: step 6 is lost
     ("6:0:during-save", False, {3}),  # rank 0, which commits, dies while writing
     ("6:0:in-commit", False, {3}),  # every file durable, rank 0 dies before the rename
     ("6:1:after-save", False, {6}),  # right after step 6 was committed
+    ("10:1:before-save", False, {6, 9}),  # between saves; step 9's async save may be unfinished
     ("6:1:during-save", True, {3}),  # FSDP-lite: optimizer state sharded
     ("6:1:during-save", "full", {3}),  # fully sharded: the save's all-to-all, a stripe load
 ]
+WHY = {
+    "before-save": "at step {}",
+    "during-save": "while writing step {}",
+    "in-commit": "before committing step {}",
+    "after-save": "after step {} was committed",
+}
+
+
+def chain(shard: bool | str) -> list[str]:
+    return [k for k, s, _ in FAULTS if s == shard]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> Callable[[bool | str], tuple[Path, int, str]]:
+    """A mode's chain of kills under torchrun (launched once, when a test first asks for
+    it): the run directory, the launcher's exit status and its output."""
+    runs: dict[bool | str, tuple[Path, int, str]] = {}
+
+    def run(shard: bool | str) -> tuple[Path, int, str]:
+        if shard not in runs:
+            kills = chain(shard)
+            out = tmp_path_factory.mktemp("chain") / "run"
+            done = torchrun(out, "--kill", ",".join(kills), *shard_args(shard), restarts=len(kills))
+            runs[shard] = out, done.returncode, done.stdout + done.stderr
+        return runs[shard]
+
+    return run
 
 
 @pytest.mark.slow
@@ -108,20 +140,21 @@ FAULTS = [
     ("kill", "shard", "resume_at"), FAULTS, ids=[f"{k}-{s}" for k, s, _ in FAULTS]
 )
 def test_killed_worker_restarted_by_torchrun_ends_bitwise_as_uninterrupted(
-    tmp_path, oracle, kill, shard, resume_at
+    launched, oracle, kill, shard, resume_at
 ):
-    out = tmp_path / "run"
-    run = torchrun(out, "--kill", kill, *shard_args(shard))
-    log = run.stdout + run.stderr
-    assert run.returncode == 0, log
-    _, rank, _ = kill.split(":")
-    assert f"fault_worker: rank {rank} killed" in log, log
+    out, returncode, log = launched(shard)
+    assert returncode == 0, log
+    attempt = chain(shard).index(kill)
+    step, rank, when = kill.split(":")
+    killed = f"fault_worker: rank {rank} killed on attempt {attempt} {WHY[when].format(step)} at"
+    assert killed in log, log
     runs = attempts(out)
-    assert sorted((a["restart"], a["rank"]) for a in runs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    starts = {a["start"] for a in runs if a["restart"] == 1}
+    n = len(chain(shard)) + 1  # every kill restarted the job once
+    assert sorted((a["restart"], a["rank"]) for a in runs) == [(r, k) for r in range(n) for k in (0, 1)]  # fmt: skip
+    starts = {a["start"] for a in runs if a["restart"] == attempt + 1}
     assert len(starts) == 1 and starts <= resume_at, runs
     assert final_state(out) == oracle(shard)
-    # the aborted save left nothing behind; rotation kept the two newest
+    # the aborted saves left nothing behind; rotation kept the two newest
     names = sorted(p.name for p in (out / "ckpt").iterdir())
     assert names == ["step-00000009", "step-00000012"], names
 
