@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --lora-rank: the Linear layers that get adapters, by name suffix\n"
         "(gpt2: c_attn) (default: %(default)s)",
     )
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)"
+    )
     return p
 
 
@@ -205,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     info = torchshard.init_distributed()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
     # Rank 0 logs; the others, whose lines would repeat its own, say nothing.
     handler = logging.StreamHandler() if info.rank == 0 else logging.NullHandler()
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[handler])

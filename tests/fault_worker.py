@@ -7,12 +7,15 @@ Deterministic data per step, AdamW, replicated (default), sharded (``--shard``) 
 sharded (``--shard full``: each Linear a unit), a ``Checkpointer`` saving asynchronously every
 ``--save-every`` steps and resuming from the latest checkpoint on start. ``--kill
 STEP:RANK:WHEN`` SIGKILLs that rank on the first attempt only (``TORCHELASTIC_RESTART_COUNT``
-is 0), at ``before-save`` (the step a save would start), ``during-save`` (inside the
+is 0); a comma-separated list of them kills on attempt k with the k-th (a chain of faults,
+each attempt resuming from what the ones before left; later attempts run on). A kill is at
+``before-save`` (the step a save would start), ``during-save`` (inside the
 background write of that step's checkpoint, after part of a file is written),
 ``after-save`` (once that checkpoint is committed) or ``in-commit`` (rank 0 between the
 last rank's files and the commit). At the end each rank writes every parameter and
 optimizer state tensor as raw bytes under ``OUT_DIR/final-rankR/``, and each attempt appends
-a line to ``OUT_DIR/attempts.log``: the oracle is the same run never interrupted.
+a line to ``OUT_DIR/attempts.log``: the oracle is the same run never interrupted
+(``main([OUT_DIR, ...])`` on ranks that a test harness started: no launcher needed).
 """
 
 from __future__ import annotations
@@ -36,12 +39,17 @@ from torchshard import checkpoint
 GLOBAL_BATCH = 12
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--save-every", type=int, default=3)
-    p.add_argument("--kill", default="", help="STEP:RANK:WHEN, first attempt only")
+    p.add_argument(
+        "--kill",
+        default="",
+        help="STEP:RANK:WHEN, first attempt only; or K of them, comma-"
+        "separated: attempt k (TORCHELASTIC_RESTART_COUNT) dies of the k-th",
+    )
     p.add_argument(
         "--shard",
         nargs="?",
@@ -52,7 +60,7 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--blocking", action="store_true", help="wait for each save's commit")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def shard_mode(value: str) -> str:
@@ -80,17 +88,23 @@ def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def die(why: str) -> None:
-    print(f"fault_worker: rank {dist.get_rank()} killed {why} at {time.time():.3f}", flush=True)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    print(
+        f"fault_worker: rank {dist.get_rank()} killed on attempt {attempt} {why} "
+        f"at {time.time():.3f}",
+        flush=True,
+    )
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main() -> None:
-    args = parse()
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     torch.set_num_threads(1)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    kills = args.kill.split(",") if args.kill else []
     kill_step, kill_rank, when = -1, -1, ""
-    if args.kill and first_attempt:
-        s, r, when = args.kill.split(":")
+    if attempt < len(kills):
+        s, r, when = kills[attempt].split(":")
         kill_step, kill_rank = int(s), int(r)
 
     fm = torchshard.FlatParamModule(model())

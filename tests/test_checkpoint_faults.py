@@ -1,9 +1,10 @@
 """Faults, survived: workers killed under torchrun, dead ranks, concurrent groups saving.
 
 The restart tests run the real launcher (``python -m torch.distributed.run
---max-restarts 1``) on ``fault_worker.py``, which SIGKILLs one rank at a chosen point
-on the first attempt only; the oracle is the same run never interrupted, compared
-bitwise: every parameter and every optimizer state tensor of every rank.
+--max-restarts N``) on ``fault_worker.py``, which SIGKILLs one rank at a chosen point on
+each of the first N attempts (a chain of N faults, one launch per mode); the oracle is the
+same run never interrupted, compared bitwise: every parameter and every optimizer state
+tensor of every rank.
 """
 
 from __future__ import annotations
@@ -64,32 +65,74 @@ def shard_args(shard: bool | str) -> list[str]:
     return {False: [], True: ["--shard"], "full": ["--shard", "full"]}[shard]
 
 
+def _uninterrupted(out: str, shard: bool | str) -> None:
+    import fault_worker
+
+    fault_worker.main(
+        [out, "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *shard_args(shard)]
+    )
+
+
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory) -> Callable[[bool | str], dict[str, bytes]]:
-    """The uninterrupted run of a mode (each run once, when a test first asks for it)."""
+    """The uninterrupted run of a mode (each run once, when a test first asks for it):
+    fault_worker.py's main on the ranks of run_distributed, which start in a fraction of a
+    second where a torchrun launch takes seconds. The launcher does not enter the final
+    state; if it did, the restarted runs would differ from this one and fail."""
     states: dict[bool | str, dict[str, bytes]] = {}
 
     def state(shard: bool | str) -> dict[str, bytes]:
         if shard not in states:
             out = tmp_path_factory.mktemp("oracle") / "run"
-            run = torchrun(out, *shard_args(shard), restarts=0)
-            assert run.returncode == 0, run.stdout + run.stderr
+            out.mkdir()
+            run_distributed(_uninterrupted, 2, str(out), shard, timeout=120)
             states[shard] = final_state(out)
         return states[shard]
 
     return state
 
 
-# (kill, mode, the steps the restarted attempt may resume from: the last committed)
+# (kill, mode, the steps the attempt after it may resume from: the last committed). The kills
+# of one mode make one chain, in one torchrun launch: attempt k dies of the mode's k-th kill
+# and attempt k + 1 resumes (a launch per kill costs a launcher and two more fresh workers).
+# In the chain every step-6 kill starts from step 3 (the one before lost step 6), so the
+# kill between saves comes last, one step after step 9's save began.
 FAULTS = [
-    ("7:1:before-save", False, {3, 6}),  # between saves; step 6's async save may be unfinished
     ("6:1:during-save", False, {3}),  # rank 1 dies with half a file written: step 6 is lost
     ("6:0:during-save", False, {3}),  # rank 0, which commits, dies while writing
     ("6:0:in-commit", False, {3}),  # every file durable, rank 0 dies before the rename
     ("6:1:after-save", False, {6}),  # right after step 6 was committed
+    ("10:1:before-save", False, {6, 9}),  # between saves; step 9's async save may be unfinished
     ("6:1:during-save", True, {3}),  # FSDP-lite: optimizer state sharded
     ("6:1:during-save", "full", {3}),  # fully sharded: the save's all-to-all, a stripe load
 ]
+WHY = {
+    "before-save": "at step {}",
+    "during-save": "while writing step {}",
+    "in-commit": "before committing step {}",
+    "after-save": "after step {} was committed",
+}
+
+
+def chain(shard: bool | str) -> list[str]:
+    return [k for k, s, _ in FAULTS if s == shard]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> Callable[[bool | str], tuple[Path, int, str]]:
+    """A mode's chain of kills under torchrun (launched once, when a test first asks for
+    it): the run directory, the launcher's exit status and its output."""
+    runs: dict[bool | str, tuple[Path, int, str]] = {}
+
+    def run(shard: bool | str) -> tuple[Path, int, str]:
+        if shard not in runs:
+            kills = chain(shard)
+            out = tmp_path_factory.mktemp("chain") / "run"
+            done = torchrun(out, "--kill", ",".join(kills), *shard_args(shard), restarts=len(kills))
+            runs[shard] = out, done.returncode, done.stdout + done.stderr
+        return runs[shard]
+
+    return run
 
 
 @pytest.mark.slow
@@ -97,20 +140,21 @@ FAULTS = [
     ("kill", "shard", "resume_at"), FAULTS, ids=[f"{k}-{s}" for k, s, _ in FAULTS]
 )
 def test_killed_worker_restarted_by_torchrun_ends_bitwise_as_uninterrupted(
-    tmp_path, oracle, kill, shard, resume_at
+    launched, oracle, kill, shard, resume_at
 ):
-    out = tmp_path / "run"
-    run = torchrun(out, "--kill", kill, *shard_args(shard))
-    log = run.stdout + run.stderr
-    assert run.returncode == 0, log
-    _, rank, _ = kill.split(":")
-    assert f"fault_worker: rank {rank} killed" in log, log
+    out, returncode, log = launched(shard)
+    assert returncode == 0, log
+    attempt = chain(shard).index(kill)
+    step, rank, when = kill.split(":")
+    killed = f"fault_worker: rank {rank} killed on attempt {attempt} {WHY[when].format(step)} at"
+    assert killed in log, log
     runs = attempts(out)
-    assert sorted((a["restart"], a["rank"]) for a in runs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    starts = {a["start"] for a in runs if a["restart"] == 1}
+    n = len(chain(shard)) + 1  # every kill restarted the job once
+    assert sorted((a["restart"], a["rank"]) for a in runs) == [(r, k) for r in range(n) for k in (0, 1)]  # fmt: skip
+    starts = {a["start"] for a in runs if a["restart"] == attempt + 1}
     assert len(starts) == 1 and starts <= resume_at, runs
     assert final_state(out) == oracle(shard)
-    # the aborted save left nothing behind; rotation kept the two newest
+    # the aborted saves left nothing behind; rotation kept the two newest
     names = sorted(p.name for p in (out / "ckpt").iterdir())
     assert names == ["step-00000009", "step-00000012"], names
 
@@ -264,12 +308,16 @@ def test_a_rank_that_is_alive_but_never_saves_is_a_timeout_naming_the_step(tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120 + 300 + 60)  # its own limits: B's start, then both nodes' run
+@pytest.mark.timeout(120 + 180 + 60)  # its own limits: A's first checkpoint, then both nodes'
 def test_elastic_node_joins_and_the_job_resumes_at_the_new_world_size(tmp_path):
     """torchrun --nnodes 1:2 on loopback: node A trains alone, node B joins, both restart at
     world size 2 from A's latest checkpoint, data position included. torch's shared agent
     store fails this re-rendezvous on its own (role_info wait timeout); hence the
-    README's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for elastic runs."""
+    README's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for elastic runs.
+
+    A runs train_gpt.py through elastic_worker.py, which waits at world size 1 once step
+    100 is committed: B joins a world of one that has a checkpoint, whatever the timing,
+    and world 2 trains steps 101 to 200 only."""
     port = free_port()
     cmd = [
         *(
@@ -283,8 +331,8 @@ def test_elastic_node_joins_and_the_job_resumes_at_the_new_world_size(tmp_path):
         ),
         *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "el"),
         *("--rdzv-conf", "last_call_timeout=1", "--max-restarts", "3", "--monitor-interval", "0.1"),
-        str(HERE.parent / "examples" / "train_gpt.py"),
-        *("--preset", "tiny", "--block-size", "32", "--batch-size", "12", "--steps", "8000"),
+        str(HERE / "elastic_worker.py"),
+        *("--preset", "tiny", "--block-size", "32", "--batch-size", "12", "--steps", "200"),
         *("--save-every", "100", "--log-every", "1000", "--threads", "1", "--num-workers", "0"),
         *("--ckpt-dir", str(tmp_path / "ckpt"), "--resume"),
     ]
@@ -295,19 +343,25 @@ def test_elastic_node_joins_and_the_job_resumes_at_the_new_world_size(tmp_path):
         with open(logs[0], "w") as out:
             procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 120
-        while "world 1 on cpu" not in logs[0].read_text():  # A trains alone: now B joins
+        # A trained alone and committed step 100: now B joins
+        while "waiting for a node to join" not in logs[0].read_text():
             assert procs[0].poll() is None and time.monotonic() < deadline, logs[0].read_text()
             time.sleep(0.2)
         with open(logs[1], "w") as out:
             procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
-        codes = [p.wait(timeout=300) for p in procs]
+        deadline = time.monotonic() + 180
+        while any(p.poll() is None for p in procs):
+            assert time.monotonic() < deadline, logs[0].read_text() + logs[1].read_text()
+            time.sleep(0.2)
+        codes = [p.returncode for p in procs]
     finally:
         for p in procs:
             p.kill()
     text = logs[0].read_text() + logs[1].read_text()
     assert codes == [0, 0], text
-    assert re.search(r"resumed from \S+/step-\d+ \(saved at world size 1", text), text
-    assert "world 2 on cpu" in text and "data: epoch" in text, text
+    assert "world 1 on cpu" in text, text
+    assert re.search(r"resumed from \S+/step-00000100 \(saved at world size 1", text), text
+    assert "world 2 on cpu" in text and "data: epoch 0, global batch 100 of" in text, text
     assert "done: first logged loss" in text, text
 
 

@@ -23,7 +23,9 @@ from test_parallel_launch import clean_env, torchrun
 ROOT = Path(__file__).resolve().parent.parent
 FINETUNE = str(ROOT / "examples" / "finetune_hf.py")
 TRAIN_GPT = str(ROOT / "examples" / "train_gpt.py")
-SMALL = "--block-size 32 --batch-size 6 --save-every 2 --log-every 2"  # global: 1, 2 and 3 ranks
+# global: 1, 2 and 3 ranks; one thread per rank (a world of one would take every core, on a
+# box where the other test worker runs too)
+SMALL = "--block-size 32 --batch-size 6 --save-every 2 --log-every 2 --threads 1"
 # train_gpt.py, small enough for a test; no DataLoader workers (no processes to start)
 GPT = [
     *("--preset", "tiny", "--block-size", "16", "--batch-size", "12", "--lr", "1e-2"),

@@ -304,7 +304,7 @@ def _adapters_load(root: str, shard: bool | str, snapshot: str) -> list[str]:
     torch.manual_seed(0)  # the same base: as if loaded from its pretrained weights
     model = LoRANet()
     with torch.no_grad():  # adapters and norms elsewhere: the load must bring them back
-        for n, p in model.named_parameters():
+        for p in model.parameters():
             if p.requires_grad:
                 p.uniform_(-1, 1)
     fm = FlatParamModule(model)
