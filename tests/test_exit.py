@@ -208,5 +208,26 @@ def _leave_without_a_silent_rank() -> list[int] | None:
     return late
 
 
+def _leave_after_a_rank_was_found_lost() -> list[int] | None:
+    """A wait (a save's) found rank 1 silent: leave() gives up on it at once, not after
+    another ``silence`` (600 s here: the harness kills the test long before)."""
+    trainer = torchshard.DistributedTrainer(torchshard.FlatParamModule(_blocks()))
+    coordinator = trainer.coordinator
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 1:
+        coordinator.close()  # its heartbeat stops; it does not arrive
+        store.wait(["rank0-left"])
+        return None
+    with pytest.raises(torchshard.TorchShardError, match="rank 1 stopped responding"):
+        coordinator.wait(["never"], [1], timeout=600, silence=1.0, what="a save")
+    late = coordinator.leave(timeout=600, silence=600)
+    store.set("rank0-left", "1")
+    return late
+
+
+def test_leave_does_not_wait_again_for_a_rank_a_wait_found_lost():
+    assert run_distributed(_leave_after_a_rank_was_found_lost, 2, timeout=60)[0] == [1]
+
+
 def test_leave_does_not_wait_for_a_rank_whose_heartbeat_stopped():
     assert run_distributed(_leave_without_a_silent_rank, 2, timeout=60)[0] == [1]

@@ -288,6 +288,8 @@ class Coordinator:
         self.prefix = f"torchshard/{token}"
         self.rank, self.world_size, self.interval = rank, world_size, interval
         self._seq = 0
+        self.lost: set[int] = set()
+        """Ranks a :meth:`wait` found silent (their process died or froze)."""
         self._stop = threading.Event()
         # The thread holds the key and the event, not the coordinator: a trainer dropped
         # without close() stops beating when it is collected (__del__).
@@ -337,6 +339,7 @@ class Coordinator:
                 if count != seen[r][0]:
                     seen[r] = (count, now)
                 elif now - seen[r][1] >= silence:
+                    self.lost.add(r)  # leave() need not wait for its silence again
                     raise RankLostError(
                         f"rank {r} stopped responding while rank {self.rank} waited for {what}: "
                         f"no heartbeat for {now - seen[r][1]:.1f} s (its process died or froze)",
@@ -367,7 +370,7 @@ class Coordinator:
             store.set(self.key("done", self.rank), b"1")
             count, start, pause = store.add(self.key("done"), 1), time.monotonic(), 0.001
             seen: dict[int, tuple[int, float]] = {}  # heartbeat count, when it last moved
-            looked = start
+            looked = start - 1.0 if self.lost else start  # known lost: look at once
             while count < self.world_size:
                 now = time.monotonic()
                 if now - looked >= min(0.5, silence / 4):
@@ -378,7 +381,7 @@ class Coordinator:
                         beats = store.add(self.key("alive", r), 0)
                         if seen.get(r, (None,))[0] != beats:
                             seen[r] = (beats, now)
-                    silent = [r for r in waiting if now - seen[r][1] >= silence]
+                    silent = [r for r in waiting if r in self.lost or now - seen[r][1] >= silence]
                     if waiting and silent == waiting:  # only the dead are left
                         missing = waiting
                         break
