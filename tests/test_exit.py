@@ -193,9 +193,12 @@ def test_failing_reads_an_uncaught_exception():
     assert "failing True" in bad.stdout, bad
 
 
-def _leave_without_a_silent_rank() -> list[int] | None:
+def _leave_with_rank_1_silent(found_lost_first: bool) -> list[int] | None:
     """Rank 1 stops beating and never says it is done (a frozen or killed process); rank
-    0's leave() must give up on it once its heartbeat is silent, not wait the full timeout."""
+    0's leave() must give up on it once its heartbeat is silent, not wait the full timeout
+    (600 s: the harness kills us long before). ``found_lost_first``: a wait (a save's)
+    found rank 1 silent first; then leave() gives up on it at once, not after another
+    ``silence`` (600 s too)."""
     trainer = torchshard.DistributedTrainer(torchshard.FlatParamModule(_blocks()))
     coordinator = trainer.coordinator
     store = dist.distributed_c10d._get_default_store()
@@ -203,31 +206,16 @@ def _leave_without_a_silent_rank() -> list[int] | None:
         coordinator.close()  # its heartbeat stops; it does not arrive
         store.wait(["rank0-left"])
         return None
-    late = coordinator.leave(timeout=600, silence=1.0)  # the harness kills us long before 600
+    silence = 1.0
+    if found_lost_first:
+        with pytest.raises(torchshard.TorchShardError, match="rank 1 stopped responding"):
+            coordinator.wait(["never"], [1], timeout=600, silence=1.0, what="a save")
+        silence = 600
+    late = coordinator.leave(timeout=600, silence=silence)
     store.set("rank0-left", "1")
     return late
 
 
-def _leave_after_a_rank_was_found_lost() -> list[int] | None:
-    """A wait (a save's) found rank 1 silent: leave() gives up on it at once, not after
-    another ``silence`` (600 s here: the harness kills the test long before)."""
-    trainer = torchshard.DistributedTrainer(torchshard.FlatParamModule(_blocks()))
-    coordinator = trainer.coordinator
-    store = dist.distributed_c10d._get_default_store()
-    if dist.get_rank() == 1:
-        coordinator.close()  # its heartbeat stops; it does not arrive
-        store.wait(["rank0-left"])
-        return None
-    with pytest.raises(torchshard.TorchShardError, match="rank 1 stopped responding"):
-        coordinator.wait(["never"], [1], timeout=600, silence=1.0, what="a save")
-    late = coordinator.leave(timeout=600, silence=600)
-    store.set("rank0-left", "1")
-    return late
-
-
-def test_leave_does_not_wait_again_for_a_rank_a_wait_found_lost():
-    assert run_distributed(_leave_after_a_rank_was_found_lost, 2, timeout=60)[0] == [1]
-
-
-def test_leave_does_not_wait_for_a_rank_whose_heartbeat_stopped():
-    assert run_distributed(_leave_without_a_silent_rank, 2, timeout=60)[0] == [1]
+@pytest.mark.parametrize("found_lost_first", [False, True], ids=["silent", "found-lost"])
+def test_leave_does_not_wait_for_a_rank_whose_heartbeat_stopped(found_lost_first):
+    assert run_distributed(_leave_with_rank_1_silent, 2, found_lost_first, timeout=60)[0] == [1]

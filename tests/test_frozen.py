@@ -185,7 +185,7 @@ def test_lora_trains_like_ddp_with_gradients_for_the_adapters_only(request, shar
 
 
 # -- checkpoints -------------------------------------------------------------------------------
-def _lora_save(root: str, shard: bool | str, snapshot: str) -> None:
+def _lora_save(root: str, shard: bool | str, snapshot: str, frozen: bool = True) -> None:
     torch.manual_seed(0)
     fm = FlatParamModule(LoRANet())
     trainer = DistributedTrainer(fm, shard=shard, bucket_mb=0.002)
@@ -195,7 +195,7 @@ def _lora_save(root: str, shard: bool | str, snapshot: str) -> None:
         trainer.zero_grad()
         F.mse_loss(fm(x), y).backward()
         trainer.step()
-    checkpoint.save(root, trainer, step=3, optimizer=trainer.optimizer)
+    checkpoint.save(root, trainer, step=3, optimizer=trainer.optimizer, frozen=frozen)
     state = flat_state(trainer)
     if dist.get_rank() == 0:
         torch.save(state, snapshot)
@@ -283,23 +283,6 @@ def test_a_lora_checkpoint_stores_optimizer_state_for_the_adapters_alone(tmp_pat
 
 
 # -- a checkpoint of the adapters alone ----------------------------------------------------------
-def _adapters_save(root: str, shard: bool | str, snapshot: str) -> None:
-    torch.manual_seed(0)
-    fm = FlatParamModule(LoRANet())
-    trainer = DistributedTrainer(fm, shard=shard, bucket_mb=0.002)
-    trainer.make_optimizer(torch.optim.AdamW, lr=1e-2)
-    for step in range(3):
-        x, y = data(dist.get_rank(), step)
-        trainer.zero_grad()
-        F.mse_loss(fm(x), y).backward()
-        trainer.step()
-    checkpoint.save(root, trainer, step=3, optimizer=trainer.optimizer, frozen=False)
-    state = flat_state(trainer)
-    if dist.get_rank() == 0:
-        torch.save(state, snapshot)
-    trainer.close()
-
-
 def _adapters_load(root: str, shard: bool | str, snapshot: str) -> list[str]:
     torch.manual_seed(0)  # the same base: as if loaded from its pretrained weights
     model = LoRANet()
@@ -323,7 +306,7 @@ def _adapters_load(root: str, shard: bool | str, snapshot: str) -> list[str]:
 )
 def test_a_checkpoint_of_the_adapters_alone_resumes_over_the_base(tmp_path, save, load):
     root, snapshot = str(tmp_path / "ckpt"), str(tmp_path / "state.pt")
-    run_distributed(_adapters_save, save[0], root, save[1], snapshot, timeout=120)
+    run_distributed(_lora_save, save[0], root, save[1], snapshot, False, timeout=120)
     (path,) = (tmp_path / "ckpt").glob("step-*")
     weights = sum(f.stat().st_size for f in path.glob("model-*.safetensors"))
     state = sum(f.stat().st_size for f in path.glob("optim-*.safetensors"))
