@@ -59,6 +59,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
     "_parallel.mode": {
         "_errors",
         "_flat.geometry",
+        "_flat.layout",
         "_flat.module",
         "_parallel.buckets",
         "_parallel.comm",
@@ -73,6 +74,8 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
     "_parallel.shards": set(),
     "_parallel.replicated": {"_parallel.comm", "_parallel.mode"},
     "_parallel.sharded": {
+        "_flat.geometry",
+        "_flat.layout",
         "_parallel.buckets",
         "_parallel.comm",
         "_parallel.mode",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .._errors import TorchShardError
 from .layout import FlatLayout
 
-__all__ = ["Geometry", "element_ranges", "overlap", "weight_shards"]
+__all__ = ["Geometry", "element_ranges", "overlap", "sliced_numel", "weight_shards"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,23 @@ class Geometry:
                 f"offset: expected one in [{self.start}, {self.start + self.total}), got {offset}"
             )
         return min((offset - self.start) // self.per_rank, self.world_size - 1)
+
+
+def sliced_numel(layout: FlatLayout, world_size: int) -> int:
+    """Elements of a sharded optimizer's flat buffer: padded to ``world_size`` equal slices;
+    with a trainable suffix (:attr:`FlatLayout.trainable_suffix`), long enough that the
+    padded gradient space fits from the suffix on, so the optimizer slices the buffer in
+    place.
+
+    Example::
+
+        sliced_numel(layout, 4) >= Geometry.of(layout, 4, pad=True).total
+    """
+    n = Geometry.of(layout, world_size, pad=True).total
+    a = layout.trainable_suffix
+    if a is None:
+        return n
+    return max(n, a + Geometry.of(layout.grad_layout, world_size, pad=True).total)
 
 
 def element_ranges(numel: int, world_size: int, align: int = 1) -> list[tuple[int, int]]:

@@ -234,6 +234,22 @@ class FlatLayout:
                 runs.append((s.offset, s.end, g.offset))
         return runs
 
+    @cached_property
+    def trainable_suffix(self) -> int | None:
+        """Where the trainable slots start when they are the layout's last slots, back to back
+        (frozen ones only before them: a frozen embedding or encoder): from there on the flat
+        buffer is laid out like the gradient, so a sharded optimizer slices it in place.
+        ``None`` otherwise (and when everything trains, or nothing does).
+
+        Example::
+
+            layout.trainable_suffix   # 1536: everything from slot 2 on trains
+        """
+        runs = self.trainable_runs()
+        if self.grad_layout is self or len(runs) != 1 or runs[0][1] != self.slots[-1].end:
+            return None
+        return runs[0][0]
+
     @property
     def param_numel(self) -> int:
         """Elements that belong to parameters (``numel`` minus alignment padding)."""

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from .._errors import TorchShardError
-from .._flat.geometry import Geometry
+from .._flat.geometry import Geometry, sliced_numel
 from .._flat.layout import FlatLayout
 from .units import Unit, unit_geometry
 
@@ -185,12 +185,16 @@ def _flat_plan(layout: FlatLayout, world_size: int, req: Request, sliced: bool) 
     per_element, scalars = OPTIMIZER_STATES[req.optimizer]
     dtype = layout.torch_dtype
     grads = layout.grad_layout
-    flat_bytes = Geometry.of(layout, world_size, pad=sliced).total * dtype.itemsize
+    flat = sliced_numel(layout, world_size) if sliced else Geometry.of(layout, 1, pad=False).total
+    flat_bytes = flat * dtype.itemsize
     space = Geometry.of(grads, world_size, pad=sliced)
     grad_bytes = space.total * dtype.itemsize if grads.slots else 0
     master = sliced and dtype != req.master_dtype
     state_item = req.master_dtype.itemsize if master else dtype.itemsize
-    copy = grad_bytes if sliced and grads is not layout else 0
+    # the trainable weights' copy, unless they are the buffer's own (none frozen, or all
+    # frozen ones first: sliced in place)
+    in_place = grads is layout or layout.trainable_suffix is not None
+    copy = grad_bytes if sliced and not in_place else 0
     out = []
     for rank, (a, b) in enumerate(space.ranges()):
         if sliced:
@@ -253,8 +257,9 @@ class Slices:
         grads = layout.grad_layout
         padded = Geometry.of(grads, world_size, pad=True).total
         size = padded // world_size  # every slice has this length
-        fixed = Geometry.of(layout, world_size, pad=True).total * dtype.itemsize
-        fixed += (1 if grads is layout else 2) * padded * dtype.itemsize if grads.slots else 0
+        fixed = sliced_numel(layout, world_size) * dtype.itemsize
+        in_place = grads is layout or layout.trainable_suffix is not None
+        fixed += (1 if in_place else 2) * padded * dtype.itemsize if grads.slots else 0
         fixed += 2 * size * req.master_dtype.itemsize if dtype != req.master_dtype else 0
         return _bracket(layout, req, fixed, size, world_size)
 

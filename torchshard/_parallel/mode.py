@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .._errors import TorchShardError
 from .._flat.geometry import Geometry
+from .._flat.layout import FlatLayout
 from .._flat.module import FlatParamModule
 from .buckets import Bucket, plan_buckets
 from .comm import AllReduce, BucketComm, Mesh1D, ReduceSpec
@@ -129,7 +130,7 @@ class Mode:
         """Bind ``fm`` to one flat buffer and one flat gradient on ``device`` (initializing a
         meta-built model), weights broadcast from ``src``; the parameters by slot."""
         mesh = Mesh1D.of(group)
-        n = Geometry.of(fm.layout, mesh.size, pad=self.pads).total
+        n = self.flat_numel(fm.layout, mesh.size)
         grad_n = Geometry.of(fm.layout.grad_layout, mesh.size, pad=self.pads).total
         fuse = self._fresh and mesh.size > 1 and self.comm_type.fuses_mask
         room = mask_room(fm.layout) if fuse else 0
@@ -138,6 +139,10 @@ class Mode:
             assert fm.flat_param is not None
             dist.broadcast(fm.flat_param, mesh.global_rank(src), group=group)
         return tuple(p for _, p in fm.named_flat_views())
+
+    def flat_numel(self, layout: FlatLayout, world_size: int) -> int:
+        """Elements of the flat buffer this mode binds (padded to the world when it pads)."""
+        return Geometry.of(layout, world_size, pad=self.pads).total
 
     def own_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """Process groups the mode created, destroyed in this order when the trainer closes."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .._flat.geometry import sliced_numel
+from .._flat.layout import FlatLayout
 from .buckets import Bucket
 from .comm import BucketComm, ReduceToOwner
 from .mode import Context, Mode, Segment
@@ -34,15 +36,20 @@ class ShardedOptimizer(Mode):
         self._master_grad: torch.Tensor | None = None
         self._weights: torch.Tensor | None = None  # the trainable weights, when some are frozen
         self._runs: list[tuple[int, int, int]] = []  # flat [a, b) = weights [c, c + b - a)
+        self._at: int | None = None  # where the gradient space starts in the flat buffer
         self._pieces: list[tuple[int, int, int, torch.nn.Parameter]] = []  # gradient space
         self.bytes_gathered = 0
+
+    def flat_numel(self, layout: FlatLayout, world_size: int) -> int:
+        return sliced_numel(layout, world_size)
 
     def bucket_cuts(self, ctx: Context) -> tuple[int, ...]:
         return tuple(a for a, _ in ctx.geometry.ranges())
 
     def setup(self, ctx: Context, buckets: tuple[Bucket, ...]) -> None:
         layout = ctx.fm.layout
-        if layout.grad_layout is not layout:
+        self._at = layout.trainable_suffix  # frozen ones first only: slice the buffer there
+        if layout.grad_layout is not layout and self._at is None:
             # Frozen parameters lie between trainable ones: the optimizer's slices are cut
             # from a copy of the trainable weights alone, laid out like their gradients.
             self._runs = layout.trainable_runs()
@@ -54,8 +61,11 @@ class ShardedOptimizer(Mode):
             self._master_grad = torch.zeros_like(self._master)
 
     def _space(self, ctx: Context) -> torch.Tensor:
-        """The weights laid out like the gradient: the flat buffer, or the trainable copy."""
-        return ctx.flat if self._weights is None else self._weights
+        """The weights laid out like the gradient: the flat buffer (from the trainable
+        suffix on, when frozen parameters come first), or the trainable copy."""
+        if self._weights is not None:
+            return self._weights
+        return ctx.flat if self._at is None else ctx.flat[self._at : self._at + ctx.geometry.total]
 
     @torch.no_grad()
     def _copy_in(self, ctx: Context) -> None:
@@ -161,9 +171,10 @@ class ShardedOptimizer(Mode):
 
     def local_shards(self, ctx: Context) -> LocalShards:
         numel = ctx.fm.layout.numel
-        if self._weights is None:
-            every = ctx.geometry.clipped(numel)
-            return LocalShards.of(self._params(ctx), [(0, numel)], [every], ctx.rank, [0])
+        if self._weights is None:  # the buffer itself, from 0 or from the trainable suffix
+            a = self._at or 0
+            every = [(a + x, a + y) for x, y in ctx.geometry.clipped(numel - a)]
+            return LocalShards.of(self._params(ctx), [(a, numel)], [every], ctx.rank, [0])
         # each run of trainable parameters is a region of the flat buffer, cut where the
         # ranks' slices of the gradient space cut it
         ranges = ctx.geometry.ranges()
