@@ -228,7 +228,12 @@ def _lora_save(
 
 def _lora_load(root: str, shard: bool | str, snapshot: str, model: str = "lora") -> list[str]:
     torch.manual_seed(1)  # other weights: the load must bring every one back
-    fm = FlatParamModule(_net(model))
+    return _loaded_differences(_net(model), root, shard, snapshot)
+
+
+def _loaded_differences(net: nn.Module, root: str, shard: bool | str, snapshot: str) -> list[str]:
+    """Load ``root`` into a trainer of ``net``: what differs from the saved ``snapshot``."""
+    fm = FlatParamModule(net)
     trainer = DistributedTrainer(fm, shard=shard, bucket_mb=0.002)
     trainer.make_optimizer(torch.optim.AdamW, lr=1e-2)
     checkpoint.load(root, trainer, optimizer=trainer.optimizer)
@@ -326,13 +331,7 @@ def _adapters_load(root: str, shard: bool | str, snapshot: str) -> list[str]:
         for p in model.parameters():
             if p.requires_grad:
                 p.uniform_(-1, 1)
-    fm = FlatParamModule(model)
-    trainer = DistributedTrainer(fm, shard=shard, bucket_mb=0.002)
-    trainer.make_optimizer(torch.optim.AdamW, lr=1e-2)
-    checkpoint.load(root, trainer, optimizer=trainer.optimizer)
-    got = flat_state(trainer)
-    trainer.close()
-    return differences(got, torch.load(snapshot, weights_only=True))
+    return _loaded_differences(model, root, shard, snapshot)
 
 
 @pytest.mark.parametrize(
