@@ -391,11 +391,16 @@ def test_lora_table_and_trainable_patterns(capsys):
     for patterns in (
         ["--trainable", "norm,lm_head"],
         ["--trainable", "norm", "--trainable", "lm_head"],
+        ["--trainable", "n{1,1}orm,lm_(head)"],  # a comma inside braces is the regex's
     ):
         assert main(["estimate", "llama", *common, *patterns, "--json"]) == 0
         results.append(json.loads(capsys.readouterr().out))
     est = results[0]
     assert results[1] == est
+    assert results[2]["trainable_patterns"] == ["n{1,1}orm", "lm_(head)"]
+    assert {k: v for k, v in results[2].items() if k != "trainable_patterns"} == {
+        k: v for k, v in est.items() if k != "trainable_patterns"
+    }
     assert est["trainable_patterns"] == ["norm", "lm_head"] and est["lora"] is None
     assert est["trainable_parameters"] == sum(trained.values())
     assert est["trainable_tensors"] == len(trained)

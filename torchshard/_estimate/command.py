@@ -200,8 +200,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def _names(text: str) -> tuple[str, ...]:
-    """A comma list, blanks dropped: ``"q_proj, v_proj"`` -> ``("q_proj", "v_proj")``."""
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    """A comma list, blanks dropped: ``"q_proj, v_proj"`` -> ``("q_proj", "v_proj")``; a
+    comma inside braces, brackets or parentheses is a regex's (``"h{1,3}"`` stays whole)."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += (c in "{[(") - (c in ")]}")
+        if c == "," and depth <= 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    names = tuple(n.strip() for n in parts if n.strip())
     if not names:
         raise argparse.ArgumentTypeError(f"expected one name or more, got {text!r}")
     return names
