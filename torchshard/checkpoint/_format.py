@@ -31,6 +31,7 @@ __all__ = [
     "commit",
     "complete_checkpoints",
     "fsync_dir",
+    "holds_frozen",
     "index_json",
     "model_file",
     "optim_file",
@@ -165,8 +166,14 @@ def saved_slots(layout: FlatLayout, lo: int, hi: int, metadata: dict[str, Any]) 
 
         names = [s.name for s in saved_slots(meta.layout, lo, hi, meta.raw)]
     """
-    frozen = metadata["weights"].get("frozen", True) is not False
+    frozen = holds_frozen(metadata)
     return [s for s in layout.slots[lo:hi] if frozen or s.requires_grad]
+
+
+def holds_frozen(metadata: dict[str, Any]) -> bool:
+    """Whether the model files hold the frozen parameters' weights (``False``: the checkpoint
+    was saved with ``frozen=False``)."""
+    return metadata["weights"].get("frozen", True) is not False
 
 
 def index_json(metadata: dict[str, Any], buffer_bytes: int) -> dict[str, Any]:

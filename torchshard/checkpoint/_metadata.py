@@ -23,6 +23,7 @@ from ._rules import (
     OptimRules,
     at,
     check_group,
+    expect_choice,
     expect_dict,
     expect_dtype,
     expect_file_name,
@@ -117,9 +118,7 @@ def _parse_optim(o: Any, layout: FlatLayout) -> OptimMeta:
         files.append(
             (expect_file_name(expect_key(f, "file", where), at(where, "file")), start, end)
         )
-    stored = o.get("stored", "all")
-    if stored not in ("all", "trainable"):
-        raise Invalid(at(path, "stored"), "'trainable' (or absent)", stored)
+    stored = expect_choice(o.get("stored", "all"), at(path, "stored"), ("all", "trainable"))
     meta = OptimMeta(cls, flat_state, scalar_state, groups, stateful, files, stored == "trainable")
     where_group = meta.slot_groups(layout)
     for i, flag in enumerate(stateful):
@@ -306,18 +305,15 @@ def _parse(path: Path, raw: dict[str, Any], protected: bool) -> Metadata:
                 where, '{"size": <integer >= 8>, "header_crc32": <8 hex digits>}', rec
             ) from e
     w = expect_dict(expect_key(raw, "weights", ""), "weights")
+    expect_flag(w.get("frozen", True), "weights.frozen")  # False: saved without frozen weights
     weights = []
     for i, shard in enumerate(expect_list(expect_key(w, "shards", "weights"), "weights.shards")):
         where = f"weights.shards[{i}]"
         shard = expect_dict(shard, where)
         lo, hi = expect_list(expect_key(shard, "slots", where), f"{where}.slots", 2)
         slots = [expect_int(lo, f"{where}.slots[0]"), expect_int(hi, f"{where}.slots[1]")]
-        weights.append(
-            {
-                "file": expect_file_name(expect_key(shard, "file", where), f"{where}.file"),
-                "slots": slots,
-            }
-        )
+        file = expect_file_name(expect_key(shard, "file", where), f"{where}.file")
+        weights.append({"file": file, "slots": slots})
     buffers = {
         expect_str(k, "weights.buffers"): expect_file_name(v, at("weights.buffers", k))
         for k, v in expect_dict(expect_key(w, "buffers", "weights"), "weights.buffers").items()

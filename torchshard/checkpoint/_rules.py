@@ -163,6 +163,13 @@ class _Pair:
             self.item(x, at(path, i))
 
 
+def expect_choice(v: Any, path: str, choices: tuple[str, ...]) -> str:
+    """``v`` if it is one of ``choices``, else :class:`Invalid`."""
+    if v not in choices:
+        raise Invalid(path, " or ".join(map(repr, choices)), v)
+    return v
+
+
 def expect_flag(v: Any, path: str) -> None:
     if not isinstance(v, bool):
         raise Invalid(path, "true or false", v)

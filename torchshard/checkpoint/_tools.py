@@ -26,6 +26,7 @@ from ._format import (
     FORMAT_VERSION,
     commit,
     fsync_dir,
+    holds_frozen,
     model_file,
     optim_file,
     resolve,
@@ -184,7 +185,7 @@ def consolidate(
         consolidate("runs/llama", "llama-hf")      # AutoModelForCausalLM.from_pretrained("llama-hf")
     """
     meta, _ = _open(path)
-    if meta.raw["weights"].get("frozen", True) is False:
+    if not holds_frozen(meta.raw):
         raise CheckpointError(
             f"{meta.path}: saved with frozen=False, it holds no frozen weights (the adapters "
             "of a LoRA run, without their base); consolidate a checkpoint saved with them"
