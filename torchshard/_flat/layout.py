@@ -217,22 +217,21 @@ class FlatLayout:
 
             [(0, 16, 0)] == FlatLayout.from_module(nn.Linear(4, 3)).trainable_runs()
         """
+        return list(self._trainable_runs)
+
+    @cached_property
+    def _trainable_runs(self) -> tuple[tuple[int, int, int], ...]:
         runs: list[tuple[int, int, int]] = []
-        grad = self.grad_layout
+        grad, align = self.grad_layout, self.align
         for k, i in enumerate(self.trainable):
             s, g = self.slots[i], grad.slots[k]
-            prev = runs[-1] if runs else None
-            if (
-                prev is not None
-                and k > 0
-                and self.trainable[k - 1] == i - 1
-                and _round_up(prev[1], self.align) == s.offset
-                and prev[2] + _round_up(prev[1], self.align) - prev[0] == g.offset
-            ):
-                runs[-1] = (prev[0], s.end, prev[2])
+            # the next slot, right after the run's alignment gap: the gradient space has the
+            # same gap (both runs start aligned), so the run goes on in both
+            if k and self.trainable[k - 1] == i - 1 and s.offset == _round_up(runs[-1][1], align):
+                runs[-1] = (runs[-1][0], s.end, runs[-1][2])
             else:
                 runs.append((s.offset, s.end, g.offset))
-        return runs
+        return tuple(runs)
 
     @cached_property
     def trainable_suffix(self) -> int | None:

@@ -38,6 +38,7 @@ class ShardedOptimizer(Mode):
         self._runs: list[tuple[int, int, int]] = []  # flat [a, b) = weights [c, c + b - a)
         self._at: int | None = None  # where the gradient space starts in the flat buffer
         self._pieces: list[tuple[int, int, int, torch.nn.Parameter]] = []  # gradient space
+        self._segments: list[Segment] = []  # the same pieces, in flat-buffer coordinates
         self.bytes_gathered = 0
 
     def flat_numel(self, layout: FlatLayout, world_size: int) -> int:
@@ -118,12 +119,10 @@ class ShardedOptimizer(Mode):
                 if a < b:
                     piece = torch.nn.Parameter(self._slice(ctx, self._params(ctx), a, b))
                     self._pieces.append((i, a, b, piece))
-        # what the optimizer updates, as ranges of the flat buffer
-        shift = {
-            i: layout.slots[i].offset - g.offset
-            for i, g in zip(layout.trainable, layout.grad_layout.slots)
-        }
-        return [(i, a + shift[i], b + shift[i], piece) for i, a, b, piece in self._pieces]
+                    # what the optimizer updates, as a range of the flat buffer
+                    shift = layout.slots[i].offset - g.offset
+                    self._segments.append((i, a + shift, b + shift, piece))
+        return list(self._segments)
 
     def attach_grads(self, ctx: Context, used: dict[int, bool]) -> None:
         grad = self.local_grad(ctx)
