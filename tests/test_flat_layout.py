@@ -86,7 +86,8 @@ def _set_slot(index: int, field: int, value):
 
 
 # One valid mutation per field of the layout's description (to_dict), each alone. A slot's
-# dtype is the layout's and its numel the product of its shape: no field of their own there.
+# dtype is the layout's, its numel the product of its shape and its width 1: no field of
+# their own there (a mixed layout's slot dtype: test_mixed_fingerprint_sees_a_slot_dtype).
 _MUTATIONS = {
     "dtype": lambda d: d.update(dtype="float64"),  # offsets stay aligned: 16 bytes = 2 elements
     "align_bytes": lambda d: d.update(align_bytes=8),
@@ -101,7 +102,7 @@ _MUTATIONS = {
 
 def test_every_field_has_a_fingerprint_mutation():
     layout_fields = {f.name for f in fields(FlatLayout)} - {"slots"}
-    slot_fields = {f.name for f in fields(ParamSlot)} - {"dtype", "numel"}
+    slot_fields = {f.name for f in fields(ParamSlot)} - {"dtype", "numel", "width"}
     assert layout_fields | slot_fields == set(_MUTATIONS)
 
 
@@ -141,24 +142,37 @@ def test_frozen_flag_is_recorded():
     assert not layout["wpe.weight"].requires_grad and layout["wte.weight"].requires_grad
 
 
-def test_mixed_dtypes_name_the_parameters():
+def test_mixed_dtypes_keep_their_own_in_a_byte_buffer():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2).half())
+    layout = FlatLayout.from_module(model)
+    assert layout.mixed and layout.dtype == "uint8" and layout.align == 16
+    assert layout.dtypes == (torch.float32, torch.float16)
+    # offsets in bytes, 16-aligned; each slot its own dtype, numel in its elements
+    got = [(s.dtype, s.offset, s.numel, s.end) for s in layout]
+    assert got == [("float32", 0, 6, 24), ("float32", 32, 3, 44), ("float16", 48, 6, 60),
+                   ("float16", 64, 2, 68)]
+    assert layout.numel == 80 and layout.nbytes == 80
+    assert [(r.dtype, r.start, r.end, r.lo, r.hi) for r in layout.regions] == [
+        (torch.float32, 0, 48, 0, 2), (torch.float16, 48, 80, 2, 4)]
+    assert FlatLayout.from_json(layout.to_json()) == layout
+    assert layout.to_dict()["format"] == 2
+    cast = FlatLayout.from_module(model, dtype=torch.float32)
+    assert cast.dtype == "float32" and not cast.mixed and len(cast.regions) == 1
+
+
+def test_mixed_fingerprint_sees_a_slot_dtype():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).half())
-    with pytest.raises(LayoutError, match=r"float16: 1\.weight, 1\.bias.*float32: 0\.weight") as e:
-        FlatLayout.from_module(model)
-    assert "dtype=" in str(e.value)
-    assert FlatLayout.from_module(model, dtype=torch.float32).dtype == "float32"
-
-
-def test_mixed_dtypes_say_how_many_names_were_cut():
-    with torch.device("meta"):
-        model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(4)), nn.Linear(2, 2).half())
-    with pytest.raises(LayoutError) as e:
-        FlatLayout.from_module(model)
-    # 8 float32 parameters, 3 shown; the 2 float16 ones all shown, nothing said cut
-    assert "(float16: 4.weight, 4.bias; float32: 0.weight, 0.bias, 1.weight and 5 more)" in str(
-        e.value
-    )
+    d = FlatLayout.from_module(model).to_dict()
+    base = FlatLayout.from_dict(d)
+    d["slots"][0][6] = "bfloat16"
+    changed = FlatLayout.from_dict(d)
+    assert changed.fingerprint() != base.fingerprint()
+    assert "bfloat16" in changed.first_difference(base)
+    d["slots"][0] = d["slots"][0][:6]  # a mixed layout's slot without its dtype
+    with pytest.raises(LayoutError, match="expected 7 fields"):
+        FlatLayout.from_dict(d)
 
 
 def test_module_without_parameters():
@@ -180,7 +194,7 @@ def test_integer_dtype_is_refused():
 @pytest.mark.parametrize(
     ("mutate", "match"),
     [
-        (lambda d: d.update(format=99), "format: expected 1, got 99"),
+        (lambda d: d.update(format=99), "format: expected 1 for a layout of dtype .float32., got 99"),
         (lambda d: d.update(dtype="nonsense"), "dtype"),
         (lambda d: d.pop("slots"), "malformed"),
         (lambda d: d["slots"][1].__setitem__(2, 4), "bad offset"),  # overlaps weight

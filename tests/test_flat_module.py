@@ -459,8 +459,10 @@ def test_bind_errors_are_clear():
 def test_construction_errors():
     with pytest.raises(LayoutError, match="no parameters"):
         FlatParamModule(nn.Sequential())
-    with pytest.raises(LayoutError, match=r"float64: 1\.weight"):
-        FlatParamModule(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()))
+    with pytest.raises(LayoutError, match=r"floating point dtype, got torch.int64 \(parameter 'w'\)"):
+        m = nn.Module()
+        m.w = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+        FlatParamModule(m)
     with pytest.raises(TorchShardError, match=r"nn\.Module"):
         FlatParamModule("model")  # type: ignore[arg-type]
 
@@ -471,6 +473,26 @@ def test_mixed_dtypes_are_cast_with_dtype():
     fm = wrapped(model, dtype=torch.float32)
     for p, e in zip(fm.parameters(), expected):
         assert p.dtype == torch.float32 and torch.equal(p, e)
+
+
+def test_mixed_dtypes_keep_their_own():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3).bfloat16(), nn.LayerNorm(3), nn.Linear(3, 2).bfloat16())
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fm = wrapped(model)
+    assert fm.dtype == torch.uint8 and fm.dtypes == (torch.bfloat16, torch.float32)
+    for n, p in fm.module.named_parameters():
+        assert p.dtype == expected[n].dtype and torch.equal(p, expected[n]), n
+    fm.check_views()
+    x = torch.randn(5, 4, dtype=torch.bfloat16)
+    fm.module[2](fm.module[1](fm.module[0](x).float()).bfloat16()).float().sum().backward()
+    for s in fm.layout:  # every gradient a typed view of the one byte buffer
+        p = fm.module.get_parameter(s.name)
+        assert p.grad.dtype == p.dtype and p.grad.data_ptr() == fm.flat_grad.data_ptr() + s.offset
+    fm.double()  # a conversion casts them all to one
+    assert fm.dtype == torch.float64 and fm.dtypes == (torch.float64,)
+    for n, p in fm.module.named_parameters():
+        assert torch.equal(p, expected[n].double()), n
 
 
 def test_init_weights_before_bind_is_an_error():

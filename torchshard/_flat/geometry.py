@@ -130,12 +130,12 @@ def weight_shards(layout: FlatLayout, world_size: int) -> list[tuple[int, int]]:
     """
     if world_size < 1:
         raise ValueError(f"world_size: expected >= 1, got {world_size}")
-    total = layout.param_numel
+    total = sum(s.span for s in layout.slots)
     owner, start = [], 0
     for s in layout.slots:
         # The rank whose byte share contains the parameter's middle.
-        owner.append(min(world_size - 1, (2 * start + s.numel) * world_size // (2 * total)))
-        start += s.numel
+        owner.append(min(world_size - 1, (2 * start + s.span) * world_size // (2 * total)))
+        start += s.span
     bounds = []
     for r in range(world_size):
         idx = [i for i, o in enumerate(owner) if o == r]

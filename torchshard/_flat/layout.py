@@ -19,9 +19,14 @@ from torch import nn
 
 from .._errors import LayoutError, and_more
 
-__all__ = ["FlatLayout", "ParamSlot", "dtype_from_name", "dtype_name"]
+__all__ = ["BYTES", "FlatLayout", "ParamSlot", "Region", "dtype_from_name", "dtype_name"]
 
 _LAYOUT_FORMAT = 1
+_MIXED_FORMAT = 2  # slots of several dtypes: written only for such layouts
+
+BYTES = "uint8"
+"""The buffer dtype of a layout whose parameters have several dtypes: its offsets, sizes and
+alignment count bytes, and each parameter is a typed view of its bytes."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -42,12 +47,14 @@ class ParamSlot:
     """One unique parameter's place in the flat buffer.
 
     ``aliases`` are the other names under which the same ``Parameter`` is
-    registered (tied weights); they share this slot.
+    registered (tied weights); they share this slot. ``offset`` and :attr:`end` are
+    positions in the buffer; ``numel`` counts the parameter's elements, each ``width``
+    buffer elements wide (1, except in a layout of several dtypes, whose buffer is bytes).
 
     Example::
 
         slot = fm.layout["lm_head.weight"]
-        weight = fm.flat_param[slot.offset : slot.end].view(slot.shape)
+        weight = slot.view(fm.flat_param)   # flat_param[slot.offset : slot.end], typed
     """
 
     name: str
@@ -57,14 +64,57 @@ class ParamSlot:
     numel: int
     requires_grad: bool
     aliases: tuple[str, ...] = ()
+    width: int = 1
 
     @property
     def end(self) -> int:
-        return self.offset + self.numel
+        return self.offset + self.span
+
+    @property
+    def span(self) -> int:
+        """Buffer elements the parameter takes (``numel``, or its bytes in a mixed layout)."""
+        return self.numel * self.width
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    def view(self, buffer: torch.Tensor, base: int = 0) -> torch.Tensor:
+        """The parameter's values in ``buffer`` (a flat buffer, or a piece of one that
+        starts at position ``base``), in the parameter's dtype and shape.
+
+        Example::
+
+            slot.view(fm.flat_param).dtype == slot.torch_dtype
+        """
+        piece = buffer[self.offset - base : self.end - base]
+        dtype = self.torch_dtype
+        return (piece if piece.dtype == dtype else piece.view(dtype)).view(self.shape)
 
     @property
     def names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
+
+
+@dataclass(frozen=True)
+class Region:
+    """Buffer positions ``[start, end)``, slots ``[lo, hi)``, all of ``dtype``.
+
+    Example::
+
+        typed = region.view(fm.flat_param)   # flat_param[start:end] as a tensor of dtype
+    """
+
+    dtype: torch.dtype
+    start: int
+    end: int
+    lo: int
+    hi: int
+
+    def view(self, buffer: torch.Tensor, base: int = 0) -> torch.Tensor:
+        """The region of ``buffer`` (which starts at position ``base``), typed."""
+        piece = buffer[self.start - base : self.end - base]
+        return piece if piece.dtype == self.dtype else piece.view(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -95,8 +145,12 @@ class FlatLayout:
     ) -> FlatLayout:
         """Lay out ``module``'s unique parameters, casting them all to ``dtype`` if given.
 
-        Raises :class:`LayoutError` for a module without parameters, for mixed
-        parameter dtypes without ``dtype=``, and for a bad ``align_bytes``.
+        Parameters of several dtypes without ``dtype=`` keep their own: the buffer is then
+        bytes (:data:`BYTES`), each parameter a typed view at an aligned byte offset, in
+        ``named_parameters()`` order as always (:attr:`regions` are the runs of one dtype).
+
+        Raises :class:`LayoutError` for a module without parameters, a parameter that is
+        not floating point, and a bad ``align_bytes``.
         """
         # remove_duplicate=False lists a tied Parameter under each of its names.
         by_id: dict[int, list[str]] = {}
@@ -110,45 +164,39 @@ class FlatLayout:
             raise LayoutError(
                 f"{type(module).__name__} has no parameters: nothing to put in a flat buffer"
             )
-        if dtype is None:
-            dtypes = {p.dtype for p in params}
-            if len(dtypes) > 1:
-                groups = {
-                    dtype_name(d): [by_id[id(p)][0] for p in params if p.dtype == d]
-                    for d in sorted(dtypes, key=str)
-                }
-                described = "; ".join(f"{d}: {and_more(n)}" for d, n in groups.items())
+        dtypes = [dtype] * len(params) if dtype is not None else [p.dtype for p in params]
+        for d, p in zip(dtypes, params):
+            if not (d.is_floating_point or d.is_complex):
                 raise LayoutError(
-                    f"parameters: expected one dtype, got {len(dtypes)} ({described}); "
-                    "pass dtype= to cast them all to one"
+                    f"dtype: expected a floating point dtype, got {d} "
+                    f"(parameter {by_id[id(p)][0]!r})"
                 )
-            dtype = params[0].dtype
-        if not (dtype.is_floating_point or dtype.is_complex):
-            raise LayoutError(f"dtype: expected a floating point dtype, got {dtype}")
-        itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
-        if align_bytes <= 0 or align_bytes % itemsize:
-            raise LayoutError(
-                f"align_bytes: expected a positive multiple of the {dtype} item size "
-                f"({itemsize}), got {align_bytes}"
-            )
-        align = align_bytes // itemsize
+        mixed = len(set(dtypes)) > 1
+        for d in set(dtypes):
+            itemsize = d.itemsize
+            if align_bytes <= 0 or align_bytes % itemsize:
+                raise LayoutError(
+                    f"align_bytes: expected a positive multiple of the {d} item size "
+                    f"({itemsize}), got {align_bytes}"
+                )
+        buffer_dtype = BYTES if mixed else dtype_name(dtypes[0])
+        align = align_bytes if mixed else align_bytes // dtypes[0].itemsize
         slots, offset = [], 0
-        for p in params:
+        for p, d in zip(params, dtypes):
             names = by_id[id(p)]
-            numel = p.numel()
-            slots.append(
-                ParamSlot(
-                    name=names[0],
-                    shape=tuple(p.shape),
-                    dtype=dtype_name(dtype),
-                    offset=offset,
-                    numel=numel,
-                    requires_grad=p.requires_grad,
-                    aliases=tuple(names[1:]),
-                )
+            slot = ParamSlot(
+                name=names[0],
+                shape=tuple(p.shape),
+                dtype=dtype_name(d),
+                offset=offset,
+                numel=p.numel(),
+                requires_grad=p.requires_grad,
+                aliases=tuple(names[1:]),
+                width=d.itemsize if mixed else 1,
             )
-            offset = _round_up(offset + numel, align)
-        return cls(tuple(slots), dtype_name(dtype), align_bytes, offset)
+            slots.append(slot)
+            offset = _round_up(slot.end, align)
+        return cls(tuple(slots), buffer_dtype, align_bytes, offset)
 
     def __post_init__(self) -> None:
         # Cheap structural checks so a layout read from JSON cannot describe
@@ -158,7 +206,10 @@ class FlatLayout:
         for s in self.slots:
             if s.offset < end or s.offset % align or s.numel != math.prod(s.shape):
                 raise LayoutError(f"layout slot {s.name!r}: bad offset/shape/numel {s}")
-            if s.dtype != self.dtype:
+            if self.mixed:
+                if s.width != dtype_from_name(s.dtype).itemsize:
+                    raise LayoutError(f"layout slot {s.name!r}: width {s.width} != its dtype's")
+            elif s.dtype != self.dtype or s.width != 1:
                 raise LayoutError(f"layout slot {s.name!r}: dtype {s.dtype} != {self.dtype}")
             for n in s.names:
                 if n in seen:
@@ -171,7 +222,52 @@ class FlatLayout:
     # -- lookup ---------------------------------------------------------------
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The buffer's dtype: the parameters', or ``torch.uint8`` when they have several."""
         return dtype_from_name(self.dtype)
+
+    @property
+    def mixed(self) -> bool:
+        """The parameters have several dtypes: the buffer is bytes, each slot a typed view."""
+        return self.dtype == BYTES
+
+    @cached_property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        """The parameters' dtypes, each once, in layout order.
+
+        Example::
+
+            layout.dtypes   # (torch.bfloat16, torch.float32): bf16 linears, fp32 norms
+        """
+        return tuple(dict.fromkeys(s.torch_dtype for s in self.slots))
+
+    @cached_property
+    def regions(self) -> tuple[Region, ...]:
+        """Maximal runs of slots of one dtype, tiling ``[0, numel)`` (a gap belongs to the
+        run before it): what arithmetic on the buffer views as one typed tensor. One region
+        when every parameter has the layout's dtype.
+
+        Example::
+
+            for r in layout.regions:
+                typed = flat[r.start : r.end].view(r.dtype)
+        """
+        slots = self.slots
+        if not slots:
+            return ()
+        cuts = [0] + [i for i in range(1, len(slots)) if slots[i].dtype != slots[i - 1].dtype]
+        bounds = [0 if k == 0 else self.slots[i].offset for k, i in enumerate(cuts)] + [self.numel]
+        his = cuts[1:] + [len(self.slots)]
+        return tuple(
+            Region(self.slots[lo].torch_dtype, bounds[k], bounds[k + 1], lo, hi)
+            for k, (lo, hi) in enumerate(zip(cuts, his))
+        )
+
+    def region_of(self, position: int) -> Region:
+        """The region holding buffer position ``position``."""
+        for r in self.regions:
+            if r.start <= position < r.end:
+                return r
+        raise LayoutError(f"position {position} is outside the layout's [0, {self.numel})")
 
     @property
     def nbytes(self) -> int:
@@ -200,7 +296,7 @@ class FlatLayout:
         for s in self.slots:
             if s.requires_grad:
                 slots.append(replace(s, offset=offset))
-                offset = _round_up(offset + s.numel, align)
+                offset = _round_up(offset + s.span, align)
         return FlatLayout(tuple(slots), self.dtype, self.align_bytes, offset)
 
     @cached_property
@@ -269,13 +365,16 @@ class FlatLayout:
 
     # -- serialization ----------------------------------------------------------
     def to_dict(self) -> dict:
+        """A JSON-ready description; a mixed layout's slots add their dtype (format 2)."""
+        own = (lambda s: [s.dtype]) if self.mixed else (lambda s: [])
         return {
-            "format": _LAYOUT_FORMAT,
+            "format": _MIXED_FORMAT if self.mixed else _LAYOUT_FORMAT,
             "dtype": self.dtype,
             "align_bytes": self.align_bytes,
             "numel": self.numel,
             "slots": [
                 [s.name, list(s.shape), s.offset, s.numel, s.requires_grad, list(s.aliases)]
+                + own(s)
                 for s in self.slots
             ],
         }
@@ -283,26 +382,33 @@ class FlatLayout:
     @classmethod
     def from_dict(cls, data: dict) -> FlatLayout:
         try:
-            if data["format"] != _LAYOUT_FORMAT:
-                raise LayoutError(
-                    f"layout format: expected {_LAYOUT_FORMAT}, got {data['format']!r}; "
-                    "upgrade torchshard to read it"
-                )
             dtype = data["dtype"]
-            dtype_from_name(dtype)
-            slots = tuple(
-                ParamSlot(
-                    name=str(name),
-                    shape=tuple(int(d) for d in shape),
-                    dtype=dtype,
-                    offset=int(offset),
-                    numel=int(numel),
-                    requires_grad=bool(rg),
-                    aliases=tuple(str(a) for a in aliases),
+            mixed = dtype == BYTES
+            fmt = _MIXED_FORMAT if mixed else _LAYOUT_FORMAT
+            if data["format"] != fmt:
+                raise LayoutError(
+                    f"layout format: expected {fmt} for a layout of dtype {dtype!r}, got "
+                    f"{data['format']!r}; upgrade torchshard to read it"
                 )
-                for name, shape, offset, numel, rg, aliases in data["slots"]
-            )
-            return cls(slots, dtype, int(data["align_bytes"]), int(data["numel"]))
+            dtype_from_name(dtype)
+            slots = []
+            for name, shape, offset, numel, rg, aliases, *own in data["slots"]:
+                if len(own) != mixed:
+                    raise LayoutError(f"layout slot {name!r}: expected {6 + mixed} fields")
+                d = str(own[0]) if mixed else dtype
+                slots.append(
+                    ParamSlot(
+                        name=str(name),
+                        shape=tuple(int(x) for x in shape),
+                        dtype=d,
+                        offset=int(offset),
+                        numel=int(numel),
+                        requires_grad=bool(rg),
+                        aliases=tuple(str(a) for a in aliases),
+                        width=dtype_from_name(d).itemsize if mixed else 1,
+                    )
+                )
+            return cls(tuple(slots), dtype, int(data["align_bytes"]), int(data["numel"]))
         except LayoutError:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -350,7 +456,7 @@ class FlatLayout:
 def _describe(s: ParamSlot) -> str:
     tied = f", tied to {list(s.aliases)}" if s.aliases else ""
     frozen = "" if s.requires_grad else ", frozen"
-    return f"shape {list(s.shape)} at offset {s.offset}{frozen}{tied}"
+    return f"{s.dtype}, shape {list(s.shape)} at offset {s.offset}{frozen}{tied}"
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -102,7 +102,19 @@ class FlatParamModule(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The flat buffers' dtype: the parameters', or ``torch.uint8`` (bytes) when they
+        have several (:attr:`dtypes`)."""
         return self.layout.torch_dtype
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        """The parameters' dtypes, each once, in layout order.
+
+        Example::
+
+            fm.dtypes   # (torch.bfloat16, torch.float32): fm.dtype is then torch.uint8
+        """
+        return self.layout.dtypes
 
     @property
     def device(self) -> torch.device:
@@ -134,6 +146,8 @@ class FlatParamModule(nn.Module):
         Example::
 
             fm.grad_numel * fm.dtype.itemsize   # bytes of gradient; 0 when everything is frozen
+
+        With parameters of several dtypes the buffers are bytes and so is this.
         """
         return self.layout.grad_layout.numel
 
@@ -212,17 +226,14 @@ class FlatParamModule(nn.Module):
                 replaced.append((slot.name, weakref.ref(old), old.nbytes))
             if slot.requires_grad:
                 assert grad is not None
-                g = in_grad[index]
-                gview = grad[g.offset : g.end].view(slot.shape)
+                gview = in_grad[index].view(grad)
                 if old.grad is not None:
                     if copy:
                         gview.copy_(old.grad)
                     new.grad = gview
                 install_grad_hooks(new, gview, index, self._grad_listener)
 
-        swap_in(
-            self.module, self.layout, lambda _, s: flat[s.offset : s.end].view(s.shape), take_over
-        )
+        swap_in(self.module, self.layout, lambda _, s: s.view(flat), take_over)
         warn_if_still_held(replaced)
         self._materialize_buffers(flat.device)
         self._flat, self._grad = flat, grad if trains else None
@@ -401,13 +412,18 @@ class FlatParamModule(nn.Module):
                 "cannot move a FlatParamModule to the meta device; build the model on meta "
                 "and wrap it instead"
             )
-        if probe.dtype != self.dtype:
-            if not (probe.dtype.is_floating_point or probe.dtype.is_complex):
+        # what the conversion makes of each parameter dtype (a mixed buffer is bytes, which
+        # dtype conversions leave alone)
+        cast = {d: fn(torch.empty(0, dtype=d, device=probe.device)).dtype for d in self.dtypes}
+        if any(k != v for k, v in cast.items()):
+            targets = set(cast.values())
+            if len(targets) > 1 or not all(d.is_floating_point or d.is_complex for d in targets):
                 raise TorchShardError(
-                    f"cannot convert the flat buffer to {probe.dtype}: parameters stay floating point"
+                    f"cannot convert the parameters to {sorted(map(str, targets))}: "
+                    "parameters stay floating point, and a conversion casts them all to one"
                 )
             self.layout = FlatLayout.from_module(
-                self.module, dtype=probe.dtype, align_bytes=self.layout.align_bytes
+                self.module, dtype=targets.pop(), align_bytes=self.layout.align_bytes
             )
             self._flat = self._grad = None  # the old buffers no longer match the layout
         if self._flat is not None:
@@ -418,7 +434,7 @@ class FlatParamModule(nn.Module):
             if new_flat is not self._flat or new_grad is not self._grad:
                 self._bind(new_flat, new_grad, copy=False)
         else:
-            self.bind(torch.empty(self.numel, dtype=probe.dtype, device=probe.device))
+            self.bind(torch.empty(self.numel, dtype=self.dtype, device=probe.device))
         for m in self.module.modules():
             for key, buf in m._buffers.items():
                 if buf is not None:

@@ -86,7 +86,7 @@ def swap_in(
 
     Example::
 
-        params = swap_in(fm.module, fm.layout, lambda i, s: flat[s.offset : s.end].view(s.shape))
+        params = swap_in(fm.module, fm.layout, lambda i, s: s.view(flat))
     """
     owners = Owners(module)
     params: list[nn.Parameter] = []
