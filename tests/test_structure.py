@@ -154,10 +154,12 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
     },
 }
 CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never the trainer class
-    "checkpoint._rules": set(),
+    "checkpoint._rules": {"_flat.layout"},
     "checkpoint._safetensors": {"_errors"},
     "checkpoint._safetensors_writer": {"_errors", "checkpoint._safetensors"},
     "checkpoint._plan": {"_flat.geometry", "_flat.layout"},
+    # flat optimizer state as streams: per key, or per key and parameter dtype
+    "checkpoint._streams": {"_flat.layout", "checkpoint._plan", "checkpoint._rules"},
     "checkpoint._stripes": {"_parallel.state", "checkpoint._plan"},
     "checkpoint._format": {
         "_errors",
@@ -172,6 +174,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "checkpoint._format",
         "checkpoint._rules",
         "checkpoint._safetensors",
+        "checkpoint._streams",
     },
     "checkpoint._target": {
         "_dist",
@@ -180,7 +183,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "_parallel.state",
         "checkpoint._stripes",
     },
-    "checkpoint._optim": {"_errors", "_flat.layout", "checkpoint._target"},
+    "checkpoint._optim": {"_errors", "_flat.layout", "checkpoint._streams", "checkpoint._target"},
     "checkpoint._load": {
         "_errors",
         "_flat.layout",
@@ -191,19 +194,28 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "checkpoint._plan",
         "checkpoint._reads",
         "checkpoint._rules",
+        "checkpoint._streams",
         "checkpoint._target",
     },
-    "checkpoint._reads": {"checkpoint._metadata", "checkpoint._plan"},
+    "checkpoint._reads": {
+        "checkpoint._metadata",
+        "checkpoint._optim",
+        "checkpoint._plan",
+        "checkpoint._streams",
+        "checkpoint._target",
+    },
     "checkpoint._rendezvous": {"_dist", "_errors", "_log", "checkpoint._target"},
     # save: staging, the share from one plan, the writer and commit; never load (the
     # manager is above both)
     "checkpoint._staging": {"_errors"},
     "checkpoint._share": {
+        "_errors",
         "_flat.hf",
         "checkpoint._format",
         "checkpoint._optim",
         "checkpoint._plan",
         "checkpoint._staging",
+        "checkpoint._streams",
         "checkpoint._target",
     },
     "checkpoint._save": {
@@ -227,19 +239,21 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
     },
     "checkpoint._tools": {
         "_errors",
+        "_flat.layout",
         "checkpoint._format",
         "checkpoint._metadata",
         "checkpoint._plan",
         "checkpoint._safetensors",
         "checkpoint._safetensors_writer",
+        "checkpoint._streams",
     },
     "checkpoint._inspect": {
         "_errors",
         "_flat.layout",
         "checkpoint._format",
         "checkpoint._metadata",
-        "checkpoint._plan",
         "checkpoint._safetensors",
+        "checkpoint._streams",
         "checkpoint._tools",
     },
 }

@@ -10,8 +10,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
-
 from . import __version__
 from ._errors import ArgumentError, CheckpointError, TorchShardError
 from ._estimate import command as estimate
@@ -92,6 +90,17 @@ def _size(n: float) -> str:
     raise AssertionError
 
 
+def _unit(r: Any) -> str:
+    """What the flat buffer of an inspected checkpoint counts: bytes with parameters of
+    several dtypes, else elements."""
+    return "bytes" if len(r.dtypes) > 1 else "elements"
+
+
+def _dtypes(d: str | dict[str, str]) -> str:
+    """A flat state's dtype, or its dtype per parameter dtype (parameters of several)."""
+    return d if isinstance(d, str) else ", ".join(f"{p}: {x}" for p, x in d.items())
+
+
 def _value(v: Any) -> str:
     return json.dumps(v, separators=(",", ":")) if isinstance(v, (list, dict)) else str(v)
 
@@ -154,7 +163,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             if r.steps_under_root
             else ""
         )
-        itemsize = torch.empty((), dtype=getattr(torch, r.dtype)).element_size()
         print(f"checkpoint   {r.path}{where}")
         print(f"step         {r.step}")
         print(f"world size   {r.world_size} (at save)")
@@ -165,8 +173,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             else "metadata     UNPROTECTED: no checksum (format 1); every value checked"
         )
         print(
-            f"parameters   {r.parameters:,} ({r.param_numel:,} elements, {r.dtype}, "
-            f"{_size(r.param_numel * itemsize)}); flat buffer {r.numel:,} elements"
+            f"parameters   {r.parameters:,} ({r.param_numel:,} elements, {', '.join(r.dtypes)}, "
+            f"{_size(r.param_bytes)}); flat buffer {r.numel:,} {_unit(r)}"
         )
         for alias, name in r.tied.items():
             print(f"  tied       {alias} -> {name}")
@@ -175,7 +183,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         if opt is None:
             print("optimizer    none")
         else:
-            state = [f"{k} ({d})" for k, d in opt["flat_state"].items()]
+            state = [f"{k} ({_dtypes(d)})" for k, d in opt["flat_state"].items()]
             state += [f"{k} (scalar, {d})" for k, d in opt["scalar_state"].items()]
             print(f"optimizer    {opt['class']}")
             print(f"  state      {', '.join(state) or 'none yet'}")

@@ -24,8 +24,9 @@ __all__ = [
     "DENSE_VERSION",
     "FORMAT_VERSION",
     "INDEX",
-    "MASTER",
     "METADATA",
+    "MIXED_VERSION",
+    "SPARSE_VERSION",
     "build_metadata",
     "check_save_args",
     "commit",
@@ -49,12 +50,15 @@ __all__ = [
 
 # 2: metadata.json ends with its own SHA-256; the index's is recorded. 3: optimizer files may
 # store the trainable parameters' state alone ("stored": "trainable"); only such checkpoints
-# say 3, the rest stay 2 (byte for byte what they were).
-FORMAT_VERSION = 3
+# say 3, the rest stay 2 (byte for byte what they were). 4: parameters of several dtypes (a
+# layout of format 2; optimizer state in one stream per key and parameter dtype: _streams);
+# only such checkpoints say 4.
+FORMAT_VERSION = 4
 DENSE_VERSION = 2
+SPARSE_VERSION = 3
+MIXED_VERSION = 4
 METADATA = "metadata.json"
 INDEX = "model.safetensors.index.json"
-MASTER = "master"  # the flat state key of fp32 master weights (_optim.MASTER)
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 
 logger = get_logger(__name__)
@@ -185,7 +189,7 @@ def index_json(metadata: dict[str, Any], buffer_bytes: int) -> dict[str, Any]:
         lo, hi = shard["slots"]
         for s in saved_slots(layout, lo, hi, metadata):
             weight_map[s.name] = shard["file"]
-            total += s.numel * layout.torch_dtype.itemsize
+            total += s.numel * s.torch_dtype.itemsize  # each in its own dtype
     weight_map.update(metadata["weights"]["buffers"])
     return {"metadata": {"total_size": total}, "weight_map": weight_map}
 
@@ -267,7 +271,7 @@ def build_metadata(
     }
     if not frozen and trainable_only(layout):  # the model files hold no frozen weight
         meta["weights"]["frozen"] = False
-        meta["format_version"] = FORMAT_VERSION
+        meta["format_version"] = SPARSE_VERSION
     if optimizer is not None:
         ranges = state_ranges(layout, world_size)
         files = [
@@ -278,7 +282,9 @@ def build_metadata(
         meta["optimizer"] = {**optimizer, "files": files}
         if trainable_only(layout):  # no zeros for the frozen parameters (stored_parts)
             meta["optimizer"]["stored"] = "trainable"
-            meta["format_version"] = FORMAT_VERSION
+            meta["format_version"] = SPARSE_VERSION
+    if layout.mixed:
+        meta["format_version"] = MIXED_VERSION
     return meta
 
 

@@ -20,8 +20,8 @@ from .._errors import CheckpointError, and_more
 from .._flat.layout import dtype_name
 from ._format import INDEX, METADATA, complete_checkpoints, index_json, resolve, saved_slots
 from ._metadata import Metadata, OptimMeta, read_metadata
-from ._plan import stored_parts
 from ._safetensors import FileRecord, SafetensorsReader
+from ._streams import stream_parts, streams_json
 from ._tools import Progress, existing
 
 __all__ = [
@@ -58,7 +58,7 @@ class CheckpointReport:
     step: int
     world_size: int
     format_version: int
-    dtype: str
+    dtype: str  # the flat buffer's: "uint8" (bytes) when the parameters have several
     parameters: int  # unique parameters (slots)
     param_numel: int
     numel: int  # flat buffer, with alignment padding
@@ -70,6 +70,8 @@ class CheckpointReport:
     problems: list[str] = field(default_factory=list)
     protected: bool = True  # metadata.json carries its SHA-256 (format 2 on), and it matched
     warnings: list[str] = field(default_factory=list)  # not errors: e.g. an unprotected format
+    dtypes: list[str] = field(default_factory=list)  # the parameters' dtypes, in layout order
+    param_bytes: int = 0  # the parameters' bytes, each in its own dtype
 
     @property
     def ok(self) -> bool:
@@ -88,8 +90,10 @@ class CheckpointReport:
             "world_size": self.world_size,
             "format_version": self.format_version,
             "dtype": self.dtype,
+            "dtypes": self.dtypes,
             "parameters": self.parameters,
             "param_numel": self.param_numel,
+            "param_bytes": self.param_bytes,
             "numel": self.numel,
             "tied": self.tied,
             "buffers": self.buffers,
@@ -123,15 +127,16 @@ def _expected_tensors(
     for w in meta.weights:
         lo, hi = w["slots"]
         want[w["file"]] += [
-            (s.name, meta.layout.torch_dtype, s.shape)
-            for s in saved_slots(meta.layout, lo, hi, meta.raw)
+            (s.name, s.torch_dtype, s.shape) for s in saved_slots(meta.layout, lo, hi, meta.raw)
         ]
     for name, file in meta.buffers.items():
         want[file].append((name, None, None))
     if opt is not None:
         for file, start, end in opt.files:
-            n = sum(b - a for a, b, _ in stored_parts(meta.layout, start, end, opt.trainable_only))
-            want[file] += [(k, d, (n,)) for k, d in opt.flat_state.items()]
+            for s in opt.streams:  # those with elements in its range (several dtypes: not all)
+                parts = stream_parts(meta.layout, start, end, opt.trainable_only, s.param)
+                n = sum((b - a) // s.width for a, b, _ in parts)
+                want[file] += [(s.name, s.dtype, (n,))] if n else []
     return want
 
 
@@ -259,7 +264,7 @@ def inspect_checkpoint(
     if opt is not None:
         optimizer = {
             "class": opt.cls,
-            "flat_state": {k: dtype_name(d) for k, d in opt.flat_state.items()},
+            "flat_state": streams_json(opt.streams, layout),
             "scalar_state": {k: v.get("dtype") for k, v in opt.scalar_state.items()},
             "stateful": opt.stateful.count("1"),
             "param_groups": [
@@ -282,6 +287,8 @@ def inspect_checkpoint(
         optimizer=optimizer,
         extra=meta.extra,
         protected=meta.protected,
+        dtypes=[dtype_name(d) for d in layout.dtypes],
+        param_bytes=sum(s.numel * s.torch_dtype.itemsize for s in layout),
     )
     if not meta.protected:
         report.warnings.append(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +28,12 @@ from .._errors import CheckpointError
 from .._flat.layout import dtype_from_name
 from .._log import get_logger
 from ._format import METADATA, complete_checkpoints, resolve, saved_slots
-from ._metadata import Metadata, Readers, read_metadata
+from ._metadata import Metadata, Readers, layout_difference, read_metadata
 from ._optim import MASTER, OptimizerView, group_problem, restore_group_values
-from ._plan import gather_ranges, overlap, state_numel, state_position, state_reads
-from ._reads import Parts, packed, read_state, zero_gaps
+from ._plan import gather_ranges, overlap
+from ._reads import Holding, Parts, packed, read_state, zero_gaps
 from ._rules import OPTIMIZER_RULES
+from ._streams import Stream
 from ._target import Checkpointable, CheckpointInfo, Target
 
 __all__ = ["load"]
@@ -51,7 +51,7 @@ class _Refusal:
 
 
 def _check_compatible(meta: Metadata, t: Target, optimizer: torch.optim.Optimizer | None) -> None:
-    diff = meta.layout.first_difference(t.fm.layout)
+    diff = layout_difference(meta.layout, t.fm.layout)
     if diff is not None:
         raise CheckpointError(
             f"{meta.path}: the checkpoint is of a different model; first difference "
@@ -101,7 +101,8 @@ class _Read:
     weights: torch.Tensor  # laid out by ``parts``
     parts: Parts  # of the weights: equal parts to gather, or this rank's local shards' runs
     buffers: dict[str, torch.Tensor]
-    optim: dict[str, torch.Tensor]  # flat state by key: full size, or laid out by ``parts``
+    optim: dict[Stream, torch.Tensor]  # flat state: held whole, or laid out as read
+    holdings: dict[Stream, Holding] = dataclasses.field(default_factory=dict)  # how, each
 
 
 def _read_share(
@@ -144,8 +145,10 @@ def _read_share(
                     assert live is not None
                     dst.copy_(live[a:b] if t.fm.is_bound else live[at + a - rs : at + b - rs])
                     continue
-                readers.entry(shard["file"], slot.name, layout.torch_dtype, slot.shape)
-                readers[shard["file"]].read_into(slot.name, a - slot.offset, b - slot.offset, dst)
+                readers.entry(shard["file"], slot.name, slot.torch_dtype, slot.shape)
+                read = readers[shard["file"]]  # a mixed buffer holds bytes: read bytes
+                take = read.read_bytes_into if layout.mixed else read.read_into
+                take(slot.name, a - slot.offset, b - slot.offset, dst)
     zero_gaps(weights, written)
     buffers = {}
     for name, want in t.buffers().items():
@@ -154,33 +157,25 @@ def _read_share(
         host = torch.empty(want.shape, dtype=want.dtype)
         readers[file].read_into(name, 0, host.numel(), host.view(-1))
         buffers[name] = host
-    state = {}
+    state, holdings = {}, {}
     if optimizer is not None:
         assert meta.optim is not None
-        takes_master = OptimizerView.of(optimizer, t).has_master
-        if own:
-            parts, n = shards
-        else:  # equal parts of the state held whole (the trainable parameters' alone)
-            held = packed(gather_ranges(state_numel(layout), t.world, t.rank))
-            parts = [
-                (a, b, at + pos - x) for x, y, at in held for a, b, pos in state_reads(layout, x, y)
-            ]
-            n = sum(y - x for x, y, _ in held)
-        for key, dtype in meta.optim.flat_state.items():
-            if key == MASTER and not takes_master:
-                continue
+        view = OptimizerView.of(optimizer, t)
+        for stream in meta.optim.streams:
+            if stream.key == MASTER and stream.param not in view.masters:
+                continue  # the live optimizer updates these parameters themselves
+            hold = Holding.of(t, view, own, stream)
             # On CPU the state of an optimizer over whole parameters is read straight into
             # full-size tensors, in place: they only become live in load_state_dict, after
             # every rank has succeeded, and the all-gather fills the rest.
-            if t.device.type == "cpu" and not own:
-                host = torch.empty(state_numel(layout), dtype=dtype)
-                reads = [(a, b, pos) for x, y, _ in held for a, b, pos in state_reads(layout, x, y)]
-                read_state(readers, meta, key, reads, host)
+            if t.device.type == "cpu" and hold.whole is not None:
+                host = torch.empty(hold.whole, dtype=stream.dtype)
+                read_state(readers, meta, stream, hold.direct, host)
             else:
-                host = torch.empty(n, dtype=dtype)
-                zero_gaps(host, read_state(readers, meta, key, parts, host))
-            state[key] = host
-    return _Read(weights, mine, buffers, state)
+                host = torch.empty(hold.numel, dtype=stream.dtype)
+                zero_gaps(host, read_state(readers, meta, stream, hold.parts, host))
+            state[stream], holdings[stream] = host, hold
+    return _Read(weights, mine, buffers, state, holdings)
 
 
 def _agree(t: Target, error: str | None, path: Path) -> _Refusal | None:
@@ -225,9 +220,19 @@ def _gather_parts(full: torch.Tensor, b: int, t: Target, *, by_broadcast: bool) 
     return [gather(full[: t.world * b], mine, group=t.group, async_op=True)]
 
 
-def _to_shards(t: Target) -> None:
-    """The flat buffer was loaded: the local shards' tensor, if one of its own, follows."""
+def _to_shards(t: Target, view: OptimizerView | None = None) -> None:
+    """The flat buffer was loaded: the local shards' tensor, if one of its own, follows. With
+    parameters of several dtypes, each tensor the optimizers update (``view``'s, the
+    trainer's) that is not a view of the buffer (a master piece) is refreshed from it."""
     flat = t.fm.flat_param
+    if flat is not None and t.fm.layout.mixed:
+        slots = t.fm.layout.slots
+        mine = [(s.slot, s.start, s.end, s.tensor) for s in view.segments] if view else []
+        for i, a, b, tensor in mine + t.own_segments():
+            weights = flat[a:b].view(slots[i].torch_dtype)
+            if tensor.data_ptr() != weights.data_ptr():
+                tensor.copy_(weights.view(tensor.shape))
+        return
     if t.stripes is not None and flat is not None:
         t.stripes.copy_from(flat)
 
@@ -269,21 +274,21 @@ def _apply(
     optimizer.state.clear()
     # An optimizer of local shards holds their runs only (read laid out like their tensor):
     # no exchange needed.
-    own = t.owns_state(optimizer)
-    flat_state = {}
-    for key, host in share.optim.items():
-        if own:
-            flat_state[key] = host.to(t.device, copy=True)
-        elif host.numel() == state_numel(layout):  # read in place (CPU): the exchange is left
-            flat_state[key] = host
+    flat_state: dict[Stream, tuple[torch.Tensor, Holding]] = {}
+    for stream, host in share.optim.items():
+        hold = share.holdings[stream]
+        if hold.whole is None:
+            tensor = host.to(t.device, copy=True)
+        elif host.numel() == hold.whole:  # read in place (CPU): the exchange is left
+            tensor = host
             fill(host, None, host.numel())
         else:
-            flat_state[key] = torch.empty(state_numel(layout), dtype=host.dtype, device=t.device)
-            fill(flat_state[key], host, state_numel(layout))
+            tensor = torch.empty(hold.whole, dtype=host.dtype, device=t.device)
+            fill(tensor, host, hold.whole)
+        flat_state[stream] = (tensor, hold)
     for work in pending:  # the weights and the state, gathered at once
         work.wait()
-    _to_shards(t)  # a saved master, if any, overrides it below
-    at = t.stripes.position if own and t.stripes is not None else partial(state_position, layout)
+    _to_shards(t, view)  # a saved master, if any, overrides it below
     segment = {id(seg.tensor): seg for seg in view.segments}
     scalars, stateful = meta.optim.scalar_state, meta.optim.stateful
     rules = meta.optim.rules
@@ -291,19 +296,25 @@ def _apply(
     for group, saved in zip(optimizer.param_groups, meta.optim.param_groups):
         ids = []
         # a known optimizer's state keys per group (Adam's max_exp_avg_sq only with amsgrad)
-        keys = set(flat_state) - {MASTER} if rules is None else rules.flat(saved)
+        keys = {s.key for s in flat_state} - {MASTER} if rules is None else rules.flat(saved)
         for p in group["params"]:
             seg = segment.get(id(p))  # None: the sharded trainer's empty placeholder
             if seg is not None and not layout.slots[seg.slot].requires_grad:
                 seg = None  # a frozen parameter in a plain optimizer: it has no state
-            if seg is not None:
-                a, b = at(seg.start), at(seg.start) + seg.end - seg.start
-            if seg is not None and MASTER in flat_state:
-                p.copy_(flat_state[MASTER][a:b].view(p.shape))
-            if seg is not None and stateful[seg.slot] == "1":
-                st: dict[str, Any] = {
-                    k: v[a:b].view(p.shape) for k, v in flat_state.items() if k in keys
-                }
+            if seg is None:
+                ids.append(pid)
+                pid += 1
+                continue
+            param = layout.slots[seg.slot].torch_dtype
+            mine = {}  # this parameter's flat state by key
+            for stream, (tensor, hold) in flat_state.items():
+                if stream.param == param:
+                    a = hold.position(seg.start)
+                    mine[stream.key] = tensor[a : a + (seg.end - seg.start) // stream.width]
+            if MASTER in mine:
+                p.copy_(mine[MASTER].view(p.shape))
+            if stateful[seg.slot] == "1":
+                st: dict[str, Any] = {k: v.view(p.shape) for k, v in mine.items() if k in keys}
                 for key, spec in scalars.items():
                     v = spec["values"][seg.slot]
                     if v is not None:

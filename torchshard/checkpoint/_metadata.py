@@ -14,7 +14,7 @@ import torch
 
 from .._errors import CheckpointError, LayoutError
 from .._flat.layout import FlatLayout, dtype_name
-from ._format import FORMAT_VERSION, MASTER, METADATA, step_of, unseal
+from ._format import FORMAT_VERSION, METADATA, MIXED_VERSION, step_of, unseal
 from ._rules import (
     ADVICE,
     MISSING,
@@ -23,6 +23,7 @@ from ._rules import (
     OptimRules,
     at,
     check_group,
+    check_layout,
     expect_choice,
     expect_dict,
     expect_dtype,
@@ -34,8 +35,9 @@ from ._rules import (
     expect_str,
 )
 from ._safetensors import FileRecord, SafetensorsReader, TensorEntry
+from ._streams import MASTER, Stream, parse_flat_state
 
-__all__ = ["Metadata", "OptimMeta", "Readers", "read_metadata"]
+__all__ = ["Metadata", "OptimMeta", "Readers", "layout_difference", "read_metadata"]
 
 
 # -- metadata.json ------------------------------------------------------------------------
@@ -44,7 +46,7 @@ class OptimMeta:
     """The optimizer section of ``metadata.json``, parsed."""
 
     cls: str
-    flat_state: dict[str, torch.dtype]
+    streams: tuple[Stream, ...]  # the flat state, as the optimizer files hold it
     scalar_state: dict[str, Any]
     param_groups: list[dict[str, Any]]
     stateful: str
@@ -87,10 +89,7 @@ def _parse_optim(o: Any, layout: FlatLayout) -> OptimMeta:
                 raise Invalid(at(at(where, "params"), i), what, name)
             seen.add(name)
         check_group(group, where, rules)
-    flat_state = {
-        str(k): expect_dtype(v, at(at(path, "flat_state"), k))
-        for k, v in expect_dict(expect_key(o, "flat_state", path), at(path, "flat_state")).items()
-    }
+    streams = parse_flat_state(expect_key(o, "flat_state", path), layout)
     stateful = expect_key(o, "stateful", path)
     if not isinstance(stateful, str) or len(stateful) != n or set(stateful) - {"0", "1"}:
         raise Invalid(at(path, "stateful"), f"{n} characters 0 or 1, one per parameter", stateful)
@@ -119,7 +118,7 @@ def _parse_optim(o: Any, layout: FlatLayout) -> OptimMeta:
             (expect_file_name(expect_key(f, "file", where), at(where, "file")), start, end)
         )
     stored = expect_choice(o.get("stored", "all"), at(path, "stored"), ("all", "trainable"))
-    meta = OptimMeta(cls, flat_state, scalar_state, groups, stateful, files, stored == "trainable")
+    meta = OptimMeta(cls, streams, scalar_state, groups, stateful, files, stored == "trainable")
     where_group = meta.slot_groups(layout)
     for i, flag in enumerate(stateful):
         if flag == "1" and where_group[i] is None:
@@ -140,7 +139,7 @@ def _check_state(
     want: set[str] = set()
     for g in active:
         want |= rules.flat(meta.param_groups[g])  # type: ignore[index]
-    have = set(meta.flat_state) - {MASTER}
+    have = {s.key for s in meta.streams} - {MASTER}
     if have != want:
         raise Invalid(at(path, "flat_state"), f"the keys {sorted(want)}", sorted(have))
     want_scalars = set(rules.scalars) if active else set()
@@ -157,27 +156,19 @@ def _check_state(
                 raise Invalid(at(at(where, "values"), i), what, None)
 
 
-def _check_layout(v: Any) -> dict[str, Any]:
-    """The layout's JSON, strictly typed, before :class:`FlatLayout` checks how it adds up."""
-    d = expect_dict(v, "layout")
-    expect_int(expect_key(d, "format", "layout"), "layout.format", 1)
-    itemsize = expect_dtype(expect_key(d, "dtype", "layout"), "layout.dtype").itemsize
-    align = expect_int(expect_key(d, "align_bytes", "layout"), "layout.align_bytes", 1)
-    if align % itemsize:
-        raise Invalid("layout.align_bytes", f"a multiple of {itemsize}", align)
-    expect_int(expect_key(d, "numel", "layout"), "layout.numel")
-    for i, slot in enumerate(expect_list(expect_key(d, "slots", "layout"), "layout.slots")):
-        where = f"layout.slots[{i}]"
-        name, shape, offset, numel, requires_grad, aliases = expect_list(slot, where, 6)
-        expect_str(name, f"{where}[0]")
-        for j, dim in enumerate(expect_list(shape, f"{where}[1]")):
-            expect_int(dim, f"{where}[1][{j}]")
-        expect_int(offset, f"{where}[2]")
-        expect_int(numel, f"{where}[3]")
-        expect_flag(requires_grad, f"{where}[4]")
-        for j, alias in enumerate(expect_list(aliases, f"{where}[5]")):
-            expect_str(alias, f"{where}[5][{j}]")
-    return d
+def layout_difference(saved: FlatLayout, live: FlatLayout) -> str | None:
+    """The first difference of a checkpoint's layout from the live model's, or ``None``: a
+    parameter of another dtype by name (before the offsets it moved), else
+    :meth:`FlatLayout.first_difference`.
+
+    Example::
+
+        layout_difference(meta.layout, fm.layout)  # "parameter 'w': bfloat16 in the ..."
+    """
+    for a, b in zip(saved.slots, live.slots):
+        if a.name == b.name and a.dtype != b.dtype:
+            return f"parameter {a.name!r}: {a.dtype} in the checkpoint, {b.dtype} in this model"
+    return saved.first_difference(live)
 
 
 def _coverage(meta: Metadata) -> None:
@@ -193,7 +184,7 @@ def _coverage(meta: Metadata) -> None:
     opt = meta.optim
     if opt is None:
         return
-    if not opt.flat_state:
+    if not opt.streams:
         if opt.files:
             raise Invalid("optimizer.files", "[] (there is no flat state)", len(opt.files))
         return
@@ -293,7 +284,10 @@ def _parse(path: Path, raw: dict[str, Any], protected: bool) -> Metadata:
     if named is not None and named != step:
         raise Invalid("step", f"{named} (the directory is {path.name})", step)
     world = expect_int(expect_key(raw, "world_size", ""), "world_size", 1)
-    layout = FlatLayout.from_dict(_check_layout(expect_key(raw, "layout", "")))
+    layout = FlatLayout.from_dict(check_layout(expect_key(raw, "layout", "")))
+    if layout.mixed and raw["format_version"] < MIXED_VERSION:  # its optimizer state differs
+        what = f"{MIXED_VERSION} or more (the layout has several dtypes)"
+        raise Invalid("format_version", what, raw["format_version"])
     files = {}
     for name, rec in expect_dict(expect_key(raw, "files", ""), "files").items():
         where = at("files", name)

@@ -4,8 +4,9 @@ The optimizer updates *segments*: ranges ``[start, end)`` of the flat buffer,
 each a whole parameter (an optimizer over ``fm.parameters()``, or the
 replicated trainer's) or the part of one in this rank's slice (the sharded
 trainer's) or in one of its stripes (the fully sharded trainer's). State shaped
-like its segment (``exp_avg``...) is saved as flat ranges in layout order; the
-rest (``step``...) as one JSON value per slot.
+like its segment (``exp_avg``...) is saved as flat ranges in layout order, one
+stream per key (per key and parameter dtype, in a layout of several dtypes:
+``_streams``); the rest (``step``...) as one JSON value per slot.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError
-from .._flat.layout import dtype_from_name, dtype_name
+from .._flat.layout import FlatLayout, dtype_from_name, dtype_name
+from ._streams import MASTER, Stream, streams_json
 from ._target import Target
 
 __all__ = ["MASTER", "OptimizerView", "Segment", "group_problem", "restore_group_values"]
-
-MASTER = "master"  # the flat key under which fp32 master weights are saved
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,19 @@ class OptimizerView:
     optimizer: torch.optim.Optimizer
     segments: list[Segment]  # in the optimizer's parameter order
     group_names: list[list[str]]  # each param group's parameters, by name
-    flat_keys: dict[str, torch.dtype]
-    has_master: bool  # the segments are master weights in another dtype than the buffer
+    streams: list[Stream]  # its flat state, in the order found
+    masters: frozenset[torch.dtype]  # parameter dtypes whose segments are master weights
+    layout: FlatLayout
+
+    @property
+    def flat_keys(self) -> set[str]:
+        """The state keys saved as flat streams (the master weights' included)."""
+        return {s.key for s in self.streams}
+
+    @property
+    def has_master(self) -> bool:
+        """Whether some segments are master weights in another dtype than their parameter's."""
+        return bool(self.masters)
 
     @classmethod
     def of(cls, optimizer: torch.optim.Optimizer, t: Target) -> OptimizerView:
@@ -80,21 +91,26 @@ class OptimizerView:
             names.append(group_names)
         if own is not None:
             names = own[1]  # every rank's, not only this slice's
-        flat_keys: dict[str, torch.dtype] = {}
+        found: dict[tuple[str, torch.dtype], torch.dtype] = {}  # (key, parameter dtype)
+        masters: dict[torch.dtype, torch.dtype] = {}
         for seg in segments:
+            param = layout.slots[seg.slot].torch_dtype
             for key, v in optimizer.state.get(seg.tensor, {}).items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == seg.tensor.shape:
-                    flat_keys.setdefault(key, v.dtype)
-        has_master = any(seg.tensor.dtype != fm.dtype for seg in segments)
-        if has_master:
-            flat_keys[MASTER] = segments[0].tensor.dtype
-        return cls(optimizer, segments, names, flat_keys, has_master)
+                    found.setdefault((key, param), v.dtype)
+            if seg.tensor.dtype != param:
+                masters.setdefault(param, seg.tensor.dtype)
+        for param, dtype in masters.items():
+            found[(MASTER, param)] = dtype
+        streams = [Stream(k, p, d, layout.mixed) for (k, p), d in found.items()]
+        return cls(optimizer, segments, names, streams, frozenset(masters), layout)
 
-    def source(self, seg: Segment, key: str) -> torch.Tensor | None:
-        """The flat (1-D) state ``key`` of ``seg``, or ``None`` where it has none."""
-        if key == MASTER:
-            return seg.tensor.detach().reshape(-1)
-        v = self.optimizer.state.get(seg.tensor, {}).get(key)
+    def source(self, seg: Segment, stream: Stream) -> torch.Tensor | None:
+        """The flat (1-D) state of ``stream`` in ``seg``, or ``None`` where it has none."""
+        if stream.key == MASTER:
+            master = seg.tensor.dtype != self.layout.slots[seg.slot].torch_dtype
+            return seg.tensor.detach().reshape(-1) if master else None
+        v = self.optimizer.state.get(seg.tensor, {}).get(stream.key)
         return None if v is None else v.detach().reshape(-1)
 
     def scalars(self, n_slots: int) -> tuple[dict[str, dict[str, Any]], list[bool]]:
@@ -106,12 +122,13 @@ class OptimizerView:
         out: dict[str, dict[str, Any]] = {}
         stateful = [False] * n_slots
         pending: dict[tuple[torch.device, torch.dtype], list[tuple[list, int, torch.Tensor]]] = {}
+        flat = self.flat_keys
         for seg in self.segments:
             state = self.optimizer.state.get(seg.tensor, {})
             if state:
                 stateful[seg.slot] = True
             for key, v in state.items():
-                if key in self.flat_keys:
+                if key in flat:
                     continue
                 spec = out.setdefault(key, {"dtype": "python", "values": [None] * n_slots})
                 if isinstance(v, torch.Tensor):
@@ -166,12 +183,16 @@ class OptimizerView:
         mine = self.scalars(len(t.fm.layout))
         if not t.owns_state(self.optimizer) or t.world == 1:
             return merge_scalars([mine])
-        flat = {k: dtype_name(d) for k, d in self.flat_keys.items()}
+        flat = [[s.key, dtype_name(s.param), dtype_name(s.dtype)] for s in self.streams]
         payload = json.dumps({"scalars": mine, "flat": flat}).encode()
         replies = [json.loads(r) for r in t.exchange(payload)]
+        have = {(s.key, s.param) for s in self.streams}
         for r in replies:
-            for k, d in r["flat"].items():
-                self.flat_keys.setdefault(k, dtype_from_name(d))
+            for k, p, d in r["flat"]:
+                if (k, dtype_from_name(p)) not in have:
+                    have.add((k, dtype_from_name(p)))
+                    stream = Stream(k, dtype_from_name(p), dtype_from_name(d), self.layout.mixed)
+                    self.streams.append(stream)
         return merge_scalars([r["scalars"] for r in replies])
 
     def metadata(self, scalars: tuple[dict[str, dict[str, Any]], str]) -> dict[str, Any]:
@@ -181,7 +202,7 @@ class OptimizerView:
         return {
             "class": f"{cls.__module__}.{cls.__qualname__}",
             "param_groups": self.groups_json(),
-            "flat_state": {k: dtype_name(d) for k, d in self.flat_keys.items()},
+            "flat_state": streams_json(self.streams, self.layout),
             "scalar_state": scalars[0],
             "stateful": scalars[1],
         }

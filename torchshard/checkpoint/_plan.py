@@ -25,11 +25,7 @@ __all__ = [
     "gather_ranges",
     "overlap",
     "plan_share",
-    "state_numel",
-    "state_position",
     "state_ranges",
-    "state_reads",
-    "stored_numel",
     "stored_parts",
     "trainable_only",
     "weight_runs",
@@ -109,44 +105,6 @@ def stored_parts(
             out.append((a, b, at))
             at += b - a
     return out
-
-
-def state_numel(layout: FlatLayout) -> int:
-    """Elements of one flat optimizer state as a load holds it for an optimizer over whole
-    parameters: the gradient space's (``layout.grad_layout``; the flat buffer's when every
-    parameter trains), so a LoRA model's resume holds no state for its frozen base."""
-    return layout.grad_layout.numel
-
-
-def state_position(layout: FlatLayout, a: int) -> int:
-    """Where flat element ``a`` (of a trainable parameter) lies in that state."""
-    grads = layout.grad_layout
-    if grads is layout:
-        return a
-    for ra, rb, c in layout.trainable_runs():
-        if ra <= a < rb:
-            return c + a - ra
-    raise ValueError(f"a: expected an element of a trainable parameter, got {a}")
-
-
-def state_reads(layout: FlatLayout, x: int, y: int) -> list[tuple[int, int, int]]:
-    """The flat pieces of state elements ``[x, y)``: ``(a, b, at)``, flat ``[a, b)`` being
-    the state's ``[at, at + b - a)``."""
-    if layout.grad_layout is layout:
-        return [(x, y, x)] if y > x else []
-    out = []
-    for ra, rb, c in layout.trainable_runs():
-        lo, hi = max(x, c), min(y, c + rb - ra)
-        if lo < hi:
-            out.append((ra + lo - c, ra + hi - c, lo))
-    return out
-
-
-def stored_numel(
-    layout: FlatLayout, start: int, end: int, only_trainable: bool | None = None
-) -> int:
-    """Elements an optimizer file of flat range ``[start, end)`` holds per state key."""
-    return sum(b - a for a, b, _ in stored_parts(layout, start, end, only_trainable))
 
 
 def gather_ranges(numel: int, world_size: int, rank: int) -> list[tuple[int, int]]:

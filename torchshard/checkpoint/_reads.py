@@ -1,18 +1,25 @@
 """Reads of a checkpoint's flat tensors into host memory: ranges packed one after another,
-what no read wrote zeroed, and flat optimizer state read from what its files store."""
+what no read wrote zeroed, and flat optimizer state read, stream by stream, from what its
+files store into the place the live optimizer holds it (:class:`Holding`)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from ._metadata import Metadata, Readers
-from ._plan import overlap, stored_parts
+from ._optim import OptimizerView
+from ._plan import gather_ranges, overlap
+from ._streams import Held, Stream, stream_parts
+from ._target import Target
 
-__all__ = ["Parts", "packed", "read_state", "zero_gaps"]
+__all__ = ["Holding", "Parts", "packed", "read_state", "zero_gaps"]
 
 Parts = list[tuple[int, int, int]]
-"""``(start, end, at)``: flat elements ``[start, end)`` are ``[at, at + end - start)`` of what
-is read."""
+"""``(start, end, at)``: flat positions ``[start, end)`` are elements ``[at, ...)`` of what is
+read (as many as they hold of its dtype: ``end - start`` in a layout of one dtype)."""
 
 
 def packed(ranges: list[tuple[int, int]]) -> Parts:
@@ -37,19 +44,69 @@ def zero_gaps(into: torch.Tensor, written: list[tuple[int, int]]) -> None:
 
 
 def read_state(
-    readers: Readers, meta: Metadata, key: str, parts: Parts, into: torch.Tensor
+    readers: Readers, meta: Metadata, stream: Stream, parts: Parts, into: torch.Tensor
 ) -> list[tuple[int, int]]:
-    """Read flat state ``key``'s ``parts`` from the optimizer files into ``into``; the ranges
-    of ``into`` written (what the files store of them: all, or the trainable parameters')."""
+    """Read ``stream``'s ``parts`` from the optimizer files into ``into``; the ranges of
+    ``into`` written (what the files store of them: all, or the trainable parameters')."""
     assert meta.optim is not None
-    written = []
+    written, w = [], stream.width
     for file, fs, fe in meta.optim.files:
-        for ps, pe, pos in stored_parts(meta.layout, fs, fe, meta.optim.trainable_only):
+        stored = stream_parts(meta.layout, fs, fe, meta.optim.trainable_only, stream.param)
+        for ps, pe, pos in stored:
             for rs, re, at in parts:
                 ov = overlap((ps, pe), (rs, re))
                 if ov is not None:
                     a, b = ov
-                    dst = into[at + a - rs : at + b - rs]
-                    readers[file].read_into(key, pos + a - ps, pos + b - ps, dst)
-                    written.append((at + a - rs, at + b - rs))
+                    dst = into[at + (a - rs) // w : at + (b - rs) // w]
+                    readers[file].read_into(
+                        stream.name, pos + (a - ps) // w, pos + (b - ps) // w, dst
+                    )
+                    written.append((at + (a - rs) // w, at + (b - rs) // w))
     return written
+
+
+@dataclass(frozen=True)
+class Holding:
+    """Where this rank holds a stream's state for the live optimizer, and what it reads.
+
+    Whole (``whole``: an optimizer over whole parameters): the trainable parameters' part
+    of the stream's space (:class:`~._streams.Held`), of which each rank reads its equal
+    part (``parts``, ``numel`` elements) and an all-gather completes the rest. Otherwise
+    (the trainer's sharding optimizer) exactly what this rank's optimizer updates: its
+    local shards' runs, laid out like their tensor (a layout of one dtype), or its
+    segments one after another (several dtypes). ``position``: where the state of a
+    segment starting at flat position ``a`` begins.
+
+    Example::
+
+        h = Holding.of(t, view, own=False, stream=stream)
+        host = torch.empty(h.numel, dtype=stream.dtype)
+        read_state(readers, meta, stream, h.parts, host)
+    """
+
+    parts: Parts
+    numel: int
+    whole: int | None  # elements of the state held whole; None: as read
+    position: Callable[[int], int]
+    direct: Parts = field(default_factory=list)  # whole: ``parts`` placed in the whole
+
+    @classmethod
+    def of(cls, t: Target, view: OptimizerView, own: bool, stream: Stream) -> Holding:
+        layout, w = t.fm.layout, stream.width
+        if own and not layout.mixed:  # the local shards' runs, laid out like their tensor
+            assert t.stripes is not None
+            shards = t.stripes
+            return cls(list(shards.runs), shards.tensor.numel(), None, shards.position)
+        if own:  # the segments of the stream's dtype, one after another
+            at, parts, where = 0, [], {}
+            for seg in view.segments:
+                if layout.slots[seg.slot].torch_dtype == stream.param:
+                    parts.append((seg.start, seg.end, at))
+                    where[seg.start] = at
+                    at += (seg.end - seg.start) // w
+            return cls(parts, at, None, where.__getitem__)
+        held = Held.of(layout, stream.param)  # equal parts of it, gathered after
+        equal = packed(gather_ranges(held.numel, t.world, t.rank))
+        parts = [(a, b, at + pos - x) for x, y, at in equal for a, b, pos in held.reads(x, y)]
+        direct = [(a, b, pos) for x, y, _ in equal for a, b, pos in held.reads(x, y)]
+        return cls(parts, sum(y - x for x, y, _ in equal), held.numel, held.position, direct)

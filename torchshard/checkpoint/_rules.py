@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .._flat.layout import BYTES
+
 __all__ = [
     "ADVICE",
     "MISSING",
@@ -23,6 +25,7 @@ __all__ = [
     "Rule",
     "at",
     "check_group",
+    "check_layout",
     "expect_dict",
     "expect_dtype",
     "expect_file_name",
@@ -122,6 +125,38 @@ def expect_dtype(v: Any, path: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise Invalid(path, "a torch dtype name such as 'float32'", v)
     return dtype
+
+
+def check_layout(v: Any) -> dict[str, Any]:
+    """The layout's JSON, strictly typed, before :class:`FlatLayout` checks how it adds up.
+    A layout of several dtypes (a buffer of bytes) gives each slot its dtype, 7th."""
+    d = expect_dict(v, "layout")
+    expect_int(expect_key(d, "format", "layout"), "layout.format", 1)
+    dtypes = [expect_dtype(expect_key(d, "dtype", "layout"), "layout.dtype")]
+    mixed = d["dtype"] == BYTES
+    align = expect_int(expect_key(d, "align_bytes", "layout"), "layout.align_bytes", 1)
+    expect_int(expect_key(d, "numel", "layout"), "layout.numel")
+    for i, slot in enumerate(expect_list(expect_key(d, "slots", "layout"), "layout.slots")):
+        where = f"layout.slots[{i}]"
+        name, shape, offset, numel, requires_grad, aliases, *own = expect_list(
+            slot, where, 6 + mixed
+        )
+        expect_str(name, f"{where}[0]")
+        for j, dim in enumerate(expect_list(shape, f"{where}[1]")):
+            expect_int(dim, f"{where}[1][{j}]")
+        expect_int(offset, f"{where}[2]")
+        expect_int(numel, f"{where}[3]")
+        expect_flag(requires_grad, f"{where}[4]")
+        for j, alias in enumerate(expect_list(aliases, f"{where}[5]")):
+            expect_str(alias, f"{where}[5][{j}]")
+        if own:
+            dtypes.append(expect_dtype(own[0], f"{where}[6]"))
+            if not (dtypes[-1].is_floating_point or dtypes[-1].is_complex):
+                raise Invalid(f"{where}[6]", "a floating point dtype", own[0])
+    for dtype in dtypes:
+        if align % dtype.itemsize:
+            raise Invalid("layout.align_bytes", f"a multiple of {dtype.itemsize} ({dtype})", align)
+    return d
 
 
 # -- what torch's optimizers accept, class by class ---------------------------------------

@@ -255,6 +255,27 @@ class SafetensorsReader:
             )
         self._read_into(self.data_start + e.begin + start * item, bytes_of(dst))
 
+    def read_bytes_into(self, name: str, start: int, stop: int, dst: torch.Tensor) -> None:
+        """Copy bytes ``[start, stop)`` of tensor ``name``'s data into contiguous CPU bytes
+        ``dst`` (``torch.uint8``): a piece of a buffer that holds tensors of several dtypes,
+        which may cut an element.
+
+        Example::
+
+            reader.read_bytes_into("norm.weight", 0, 8, flat[64:72])  # 2 float32 values
+        """
+        if dst.device.type != "cpu" or not dst.is_contiguous() or dst.dtype != torch.uint8:
+            raise ValueError(f"read into contiguous host bytes; got {dst.dtype} on {dst.device}")
+        e = self.entries.get(name)
+        if e is None:
+            raise CheckpointError(f"{self.path}: has no tensor {name!r}")
+        if dst.numel() != stop - start or not 0 <= start <= stop <= e.end - e.begin:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} ({e.end - e.begin} bytes) cannot fill bytes "
+                f"[{start}, {stop}) of a buffer of {dst.numel()}"
+            )
+        self._read_into(self.data_start + e.begin + start, bytes_of(dst))
+
     def _read_into(self, offset: int, out: memoryview) -> None:
         """Read ``len(out)`` bytes at file ``offset`` into ``out``, verifying every chunk they
         touch. Whole chunks are read straight into ``out``, many per call, and checked there;

@@ -268,12 +268,15 @@ def _write_files(t: Target, share: Share, tmp: Path) -> dict[str, dict[str, Any]
         name = model_file(t.rank, t.world)
         records[name] = write_safetensors(tmp / name, share.weights)
     s, e = share.plan.state_range
+    # each stream's elements in this range (stored: see stored_parts); a stream with none
+    # here (parameters of several dtypes: none of its dtype) has no tensor in the file
+    sizes = [sum(x if isinstance(x, int) else x.numel() for x in p) for _, _, p in share.optim]
+    streams = [(o, n) for o, n in zip(share.optim, sizes) if n]
     if share.optim and e > s:
         name = optim_file(t.rank, t.world)
-        n = sum(p.end - p.start for p in share.plan.pieces)  # stored: see stored_parts
-        entries = [(key, dtype, (n,)) for key, dtype, _ in share.optim]
+        entries = [(key, dtype, (n,)) for (key, dtype, _), n in streams]
         with SafetensorsWriter(tmp / name, entries, {"range": f"{s},{e}"}) as out:
-            for _, dtype, pieces in share.optim:
+            for (_, dtype, pieces), _ in streams:
                 for piece in pieces:
                     if isinstance(piece, int):
                         out.write_zeros(piece * dtype.itemsize)

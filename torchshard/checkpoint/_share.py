@@ -19,6 +19,7 @@ without optimizer state) are counts, never items.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,23 +27,26 @@ from typing import Any
 
 import torch
 
+from .._errors import CheckpointError
 from .._flat.hf import transformers_config
 from ._format import build_metadata, step_dir
 from ._optim import OptimizerView
 from ._plan import Piece, SharePlan, plan_share, stored_parts
 from ._staging import Copy
+from ._streams import Stream, typed
 from ._target import Target
 
 __all__ = ["Item", "Share", "collect"]
 
-Carve = Callable[[list[tuple[torch.Size, torch.dtype]]], list[torch.Tensor]]
+Carve = Callable[[list[tuple[torch.Size, torch.dtype, int]]], list[torch.Tensor]]
 
 
 @dataclass(eq=False)
 class Item:
     """One host tensor of a share: its ``name`` (for messages), ``shape`` and ``dtype``, and
     its ``fill``: a live tensor to copy, or a collective that assembles it into the host
-    tensor (``host``, set once the share is carved).
+    tensor (``host``, set once the share is carved); ``align``: the bytes its host tensor
+    starts at a multiple of, beyond its dtype's (a mixed buffer's bytes, viewed typed).
 
     Example::
 
@@ -54,6 +58,7 @@ class Item:
     dtype: torch.dtype
     fill: torch.Tensor | Callable[[torch.Tensor], None]
     host: torch.Tensor | None = None
+    align: int = 0
 
     @property
     def live(self) -> bool:
@@ -69,19 +74,42 @@ class Share:
     step: int
     plan: SharePlan
     weights: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    # per state key: its dtype and its pieces in order (a tensor, or a count of zeros)
+    # per stream (its tensor's name): its dtype and its pieces in order (a tensor, or a
+    # count of zero elements)
     optim: list[tuple[str, torch.dtype, list[torch.Tensor | int]]] = field(default_factory=list)
     metadata: dict[str, Any] | None = None  # rank 0 only, without "files"
     buffer_bytes: int = 0
 
 
-def _part(view: OptimizerView, piece: Piece, key: str) -> torch.Tensor | None:
-    """Piece ``piece`` of the flat state ``key``; ``None`` where it is zeros."""
+def _part(view: OptimizerView, piece: Piece, stream: Stream, a: int, b: int) -> torch.Tensor | None:
+    """Flat ``[a, b)`` of ``piece`` in ``stream``; ``None`` where it is zeros."""
     if piece.segment is None:
         return None
-    seg = view.segments[piece.segment]
-    src = view.source(seg, key)
-    return None if src is None else src[piece.start - seg.start : piece.end - seg.start]
+    seg, w = view.segments[piece.segment], stream.width
+    src = view.source(seg, stream)
+    return None if src is None else src[(a - seg.start) // w : (b - seg.start) // w]
+
+
+def _check_in_place(t: Target, view: OptimizerView, plan: SharePlan) -> None:
+    """A layout of several dtypes is saved from the optimizer's own tensors, in place: the
+    trainer's optimizer must then hold every trainable element of this rank's range (a
+    plain optimizer holds whole parameters, and none of those it was not given)."""
+    if t.trainer_segments(view.optimizer) is None:
+        return
+    slots = t.fm.layout.slots
+    starts = [s.offset for s in slots]
+    for p in plan.pieces:
+        i = max(0, bisect.bisect_right(starts, p.start) - 1)
+        for s in slots[i:] if p.segment is None else ():
+            if s.offset >= p.end:
+                break
+            if s.requires_grad and p.start < s.end:
+                raise CheckpointError(
+                    f"rank {t.rank}: optimizer state of {s.name!r} in [{p.start}, {p.end}) of "
+                    f"the buffer: this rank's optimizer does not hold it, though its file "
+                    f"holds it; saving parameters of several dtypes needs the trainer's slices "
+                    f"to be the files' ranges"
+                )
 
 
 class _Items:
@@ -100,7 +128,8 @@ class _Items:
         if flat is not None:  # every weight is here: this rank's run, in place
             if hi > lo:
                 run = flat.detach()[span[0] : span[1]]
-                self.weights = Item("weights", run.shape, fm.dtype, run)
+                align = max(d.itemsize for d in fm.dtypes)  # its slots are typed views
+                self.weights = Item("weights", run.shape, fm.dtype, run, align=align)
         else:  # from every rank's local shards, by an exchange (every rank takes part)
             stripes = t.stripes
             assert stripes is not None
@@ -115,19 +144,25 @@ class _Items:
             # the optimizer holds whole parameters, or local shards that hold what the file
             # stores of the range
             stored = stored_parts(fm.layout, *plan.state_range)
-            if not t.owns_state(view.optimizer) or all(t.covers((a, b)) for a, b, _ in stored):
+            if fm.layout.mixed:  # the sharded trainer's slices are the files' ranges
+                _check_in_place(t, view, plan)
+                self._state_in_place(view)
+            elif not t.owns_state(view.optimizer) or all(t.covers((a, b)) for a, b, _ in stored):
                 self._state_in_place(view)
             else:
                 self._state_exchanged(view)
 
     def _state_in_place(self, view: OptimizerView) -> None:
-        for key, dtype in view.flat_keys.items():
-            pieces: list[Item | int] = []
-            for p in self.plan.pieces:
-                src = _part(view, p, key)
-                name = f"{key}[{p.start}:{p.end}]"
-                pieces.append(p.end - p.start if src is None else Item(name, src.shape, dtype, src))
-            self.optim.append((key, dtype, pieces))
+        plan, layout = self.plan.pieces, self.t.fm.layout
+        for stream in view.streams:
+            pieces: list[Item | int] = []  # the stream's parts of the pieces, in order
+            for i, a, b, _ in typed(layout, [(p.start, p.end) for p in plan], stream.param):
+                src = _part(view, plan[i], stream, a, b)
+                if src is None:
+                    pieces.append((b - a) // stream.width)
+                else:
+                    pieces.append(Item(f"{stream.name}[{a}:{b}]", src.shape, stream.dtype, src))
+            self.optim.append((stream.name, stream.dtype, pieces))
 
     def _state_exchanged(self, view: OptimizerView) -> None:
         stripes, (s0, e0) = self.t.stripes, self.plan.state_range
@@ -136,8 +171,9 @@ class _Items:
         stored = stored_parts(self.t.fm.layout, s0, e0)
         dense = stored == [(s0, e0, 0)]
         n = sum(b - a for a, b, _ in stored)
-        for key, dtype in view.flat_keys.items():
-            parts = [(seg.start, seg.end, view.source(seg, key)) for seg in view.segments]
+        for stream in view.streams:  # (a layout of one dtype: one stream per key)
+            key, dtype = stream.name, stream.dtype
+            parts = [(seg.start, seg.end, view.source(seg, stream)) for seg in view.segments]
 
             def fill(host: torch.Tensor, parts: list = parts) -> None:
                 if dense:
@@ -192,13 +228,13 @@ def collect(
     view = OptimizerView.of(optimizer, t) if optimizer is not None else None
     scalars = view.agree(t) if view is not None else ({}, "")  # 1. a collective when sharded
     segments = None
-    if view is not None and view.flat_keys:
+    if view is not None and view.streams:
         segments = [(seg.start, seg.end) for seg in view.segments]
     plan = plan_share(layout, t.world, t.rank, segments)  # 2.
     items = _Items(t, plan, view)  # 3.
     order = items.all()
     if carve is not None:
-        for item, host in zip(order, carve([(x.shape, x.dtype) for x in order])):
+        for item, host in zip(order, carve([(x.shape, x.dtype, x.align) for x in order])):
             item.host = host
     else:
         for item in order:
@@ -214,7 +250,7 @@ def collect(
         host, base = weights.host, items.base
         for s in layout.slots[lo:hi]:
             if frozen or s.requires_grad:  # frozen=False: the model files hold no frozen weight
-                share.weights.append((s.name, host[s.offset - base : s.end - base].view(s.shape)))
+                share.weights.append((s.name, s.view(host, base)))  # in its own dtype
     for name, item in items.buffers:
         assert item.host is not None
         share.weights.append((name, item.host))
@@ -223,7 +259,8 @@ def collect(
         share.optim.append((key, dtype, [x if isinstance(x, int) else x.host for x in pieces]))
     if t.rank == 0:
         optim_meta = view.metadata(scalars) if view is not None else None
-        config = transformers_config(t.fm.module, layout.torch_dtype)
+        # as save_pretrained: the first parameter's dtype (of several: the model's dtype)
+        config = transformers_config(t.fm.module, layout.dtypes[0])
         buffers = [name for name, _ in items.buffers]
         share.metadata = build_metadata(
             layout, t.world, step, buffers, optim_meta, extra, config, frozen

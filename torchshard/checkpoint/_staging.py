@@ -112,19 +112,22 @@ class HostArena:
         if unpin is not None:
             unpin()
 
-    def carve(self, specs: list[tuple[torch.Size, torch.dtype]], pin: bool) -> list[torch.Tensor]:
+    def carve(
+        self, specs: list[tuple[torch.Size, torch.dtype, int]], pin: bool
+    ) -> list[torch.Tensor]:
         """Host tensors of these shapes and dtypes, laid out in order in one block of
-        exactly their size (plus alignment for each dtype)."""
+        exactly their size (plus alignment for each dtype, or to the spec's third value when
+        larger: the bytes of parameters of several dtypes, viewed in each)."""
         offsets, total = [], 0
-        for shape, dtype in specs:
-            size = dtype.itemsize
+        for shape, dtype, align in specs:
+            size = max(dtype.itemsize, align)
             total = -(-total // size) * size
             offsets.append(total)
-            total += math.prod(shape) * size
+            total += math.prod(shape) * dtype.itemsize
         block = self.reserve(total, pin)
         return [
             block[o : o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-            for o, (shape, dtype) in zip(offsets, specs)
+            for o, (shape, dtype, _) in zip(offsets, specs)
         ]
 
 

@@ -74,6 +74,13 @@ class Target:
         self.stripes = (
             None if shards is None else Stripes(shards, self.group, self.rank, self.world)
         )
+        if not self.fm.is_bound and self.fm.layout.mixed:
+            dtypes = ", ".join(str(d).removeprefix("torch.") for d in self.fm.dtypes)
+            raise CheckpointError(
+                f"trainer: a checkpoint of parameters of several dtypes ({dtypes}) is saved "
+                "and loaded through the flat buffer, which a fully sharded trainer does not "
+                "hold: use shard=True or shard=False"
+            )
         if not self.fm.is_bound and self.stripes is None:
             raise CheckpointError(
                 "trainer: the FlatParamModule is not bound to a buffer yet (or a fully "
@@ -108,6 +115,13 @@ class Target:
             return None
         segments = list(self.trainer.optimizer_segments())
         return segments, [list(n) for n in self.trainer.group_names]
+
+    def own_segments(self) -> list[tuple[int, int, int, torch.Tensor]]:
+        """``(slot, start, end, tensor)`` of each tensor the trainer's optimizer updates
+        (none without a trainer or before it built one)."""
+        if self.trainer is None or self.trainer.optimizer is None:
+            return []
+        return list(self.trainer.optimizer_segments())
 
     def after_load(self) -> None:
         """The weights were loaded: the trainer refreshes what it derives from them now."""

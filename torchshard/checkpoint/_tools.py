@@ -21,9 +21,11 @@ from typing import Any
 import torch
 
 from .._errors import ArgumentError, CheckpointError
+from .._flat.layout import FlatLayout
 from ._format import (
     DENSE_VERSION,
-    FORMAT_VERSION,
+    MIXED_VERSION,
+    SPARSE_VERSION,
     commit,
     fsync_dir,
     holds_frozen,
@@ -35,9 +37,10 @@ from ._format import (
     tmp_dir,
 )
 from ._metadata import Metadata, OptimMeta, Readers, read_metadata
-from ._plan import overlap, state_ranges, stored_parts, weight_runs
+from ._plan import overlap, state_ranges, weight_runs
 from ._safetensors import FileRecord, bytes_of
 from ._safetensors_writer import SafetensorsWriter
+from ._streams import Stream, stream_parts
 
 __all__ = ["Consolidated", "Progress", "consolidate", "existing", "reshard"]
 
@@ -258,10 +261,10 @@ def _consolidate_file(
         for w in meta.weights:
             lo, hi = w["slots"]
             for s in layout.slots[lo:hi]:
-                readers.entry(w["file"], s.name, layout.torch_dtype, s.shape)
+                readers.entry(w["file"], s.name, s.torch_dtype, s.shape)
                 piece = (_Piece(w["file"], s.name, 0, s.numel),)
                 for name in s.names if aliases else (s.name,):
-                    tensors.append(_OutTensor(name, layout.torch_dtype, s.shape, piece))
+                    tensors.append(_OutTensor(name, s.torch_dtype, s.shape, piece))
         for name, file in meta.buffers.items():
             e = readers.entry(file, name, None, None)
             dtype, shape = e.dtype, e.shape
@@ -331,7 +334,7 @@ def reshard(
             lo, hi = shards[r]
             tensors = [
                 _OutTensor(
-                    s.name, layout.torch_dtype, s.shape, (_Piece(src_file[i], s.name, 0, s.numel),)
+                    s.name, s.torch_dtype, s.shape, (_Piece(src_file[i], s.name, 0, s.numel),)
                 )
                 for i, s in enumerate(layout.slots[lo:hi], start=lo)
                 if s.name in saved  # frozen=False: the trainable ones only
@@ -341,28 +344,9 @@ def reshard(
             if tensors or hi > lo:  # (frozen=False: a run of frozen weights alone is empty)
                 plan.append((model_file(r, world), tensors, None))
             start, end = ranges[r]
-            if opt is not None and opt.flat_state and end > start:
-                # what the new file stores of its range (trainable_only as the old ones), from
-                # what the old files store of it
-                out = stored_parts(layout, start, end, opt.trainable_only)
-                pieces = []
-                for file, fs, fe in opt.files:
-                    for ps, pe, pos in stored_parts(layout, fs, fe, opt.trainable_only):
-                        for a0, b0, _ in out:
-                            ov = overlap((ps, pe), (a0, b0))
-                            if ov is not None:
-                                pieces.append((ov[0], file, pos + ov[0] - ps, pos + ov[1] - ps))
-                pieces.sort()
-                n = sum(b - a for a, b, _ in out)
-                state = [
-                    _OutTensor(
-                        key,
-                        dtype,
-                        (n,),
-                        tuple(_Piece(f, key, a, b) for _, f, a, b in pieces),
-                    )
-                    for key, dtype in opt.flat_state.items()
-                ]
+            if opt is not None and opt.streams and end > start:
+                state = [_resharded_stream(layout, opt, s, start, end) for s in opt.streams]
+                state = [x for x in state if x.shape[0]]  # none of its dtype here: no tensor
                 plan.append((optim_file(r, world), state, {"range": f"{start},{end}"}))
         progress.start(
             f"reshard {meta.path.name} to world size {world}",
@@ -393,13 +377,33 @@ def reshard(
     return final
 
 
+def _resharded_stream(
+    layout: FlatLayout, opt: OptimMeta, stream: Stream, start: int, end: int
+) -> _OutTensor:
+    """What a new optimizer file of flat range ``[start, end)`` stores of ``stream`` (its
+    parts trainable_only as the old files'), from what the old files store of it."""
+    out = stream_parts(layout, start, end, opt.trainable_only, stream.param)
+    pieces, w = [], stream.width
+    for file, fs, fe in opt.files:
+        for ps, pe, pos in stream_parts(layout, fs, fe, opt.trainable_only, stream.param):
+            for a0, b0, _ in out:
+                ov = overlap((ps, pe), (a0, b0))
+                if ov is not None:
+                    a, b = pos + (ov[0] - ps) // w, pos + (ov[1] - ps) // w
+                    pieces.append((ov[0], _Piece(file, stream.name, a, b)))
+    pieces.sort(key=lambda x: x[0])
+    n = sum((b - a) // w for a, b, _ in out)
+    return _OutTensor(stream.name, stream.dtype, (n,), tuple(piece for _, piece in pieces))
+
+
 def _resharded_metadata(
     meta: Metadata, world: int, shards: list[tuple[int, int]], ranges: list[tuple[int, int]]
 ) -> dict[str, Any]:
     """``metadata.json`` of the resharded checkpoint, without its ``files``."""
     raw = {k: v for k, v in meta.raw.items() if k != "files"}
     sparse = meta.optim is not None and meta.optim.trainable_only
-    raw["format_version"] = FORMAT_VERSION if sparse else DENSE_VERSION
+    version = SPARSE_VERSION if sparse else DENSE_VERSION
+    raw["format_version"] = MIXED_VERSION if meta.layout.mixed else version
     raw["world_size"] = world
     shard_list = [
         {"file": model_file(r, world), "slots": [a, b]} for r, (a, b) in enumerate(shards) if b > a
@@ -410,7 +414,7 @@ def _resharded_metadata(
         files = [
             {"file": optim_file(r, world), "range": [a, b]}
             for r, (a, b) in enumerate(ranges)
-            if b > a and meta.optim.flat_state
+            if b > a and meta.optim.streams
         ]
         raw["optimizer"] = {**raw["optimizer"], "files": files}
     return raw
