@@ -1,0 +1,319 @@
+"""Parameters of several dtypes in one checkpoint (format 4, docs/checkpoint-format.md).
+
+The model is a mixed-precision transformer's shape: bf16 linears, fp32 LayerNorms and an fp32
+router between them (forward casts), so the flat buffer is bytes and its regions alternate
+between the two dtypes. Every tensor keeps its own dtype in the model files and in
+``consolidate``'s output; the optimizer state keeps its own dtype per parameter dtype, in one
+stream per state key and parameter dtype. A load into a fresh model is bitwise, and a step
+after it equals the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_harness import read_meta, refused, write_meta
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
+
+import torchshard
+from torchshard import checkpoint
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+class Block(nn.Module):
+    """fp32 norm and router, bf16 feed-forward; the residual stream stays fp32."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.router = nn.Linear(d, 2)
+        self.up = nn.Linear(d, 2 * d).to(BF16)
+        self.down = nn.Linear(2 * d, d).to(BF16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        gate = torch.softmax(self.router(h), dim=-1)[..., :1]
+        y = self.down(torch.nn.functional.gelu(self.up(h.to(BF16)))).float()
+        return x + gate * y
+
+
+class Mixed(nn.Module):
+    def __init__(self, d: int = 12, n: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, d).to(BF16)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.final = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 3).to(BF16)
+        self.register_buffer("scale", torch.arange(3, dtype=FP32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x.to(BF16)).float()
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.final(h).to(BF16)).float() * self.scale
+
+
+def build(
+    seed: int, freeze: bool = False
+) -> tuple[torchshard.FlatParamModule, torch.optim.Optimizer]:
+    """The model (weights from ``seed``) and AdamW in two groups; ``freeze``: the input layer
+    and the first block's norm are frozen (optimizer state for the trainable ones alone)."""
+    torch.manual_seed(seed)
+    model = Mixed()
+    if freeze:
+        model.embed.requires_grad_(False)
+        model.blocks[0].norm.requires_grad_(False)
+    fm = torchshard.FlatParamModule(model)
+    fm.bind(torch.empty(fm.numel, dtype=fm.dtype))
+    named = [(n, p) for n, p in fm.module.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return fm, torch.optim.AdamW(groups, lr=1e-2, betas=(0.8, 0.95))
+
+
+def train(fm: torchshard.FlatParamModule, opt: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        opt.zero_grad()
+        fm(torch.randn(5, 8, generator=g)).square().mean().backward()
+        opt.step()
+
+
+def differences(fm, opt, ref_fm, ref_opt) -> list[str]:
+    """Where two models and their optimizers differ: weights and state bitwise, dtypes, groups."""
+    out = []
+    for (name, p), q in zip(fm.module.named_parameters(), ref_fm.module.parameters()):
+        if p.dtype != q.dtype or not torch.equal(p, q):
+            out.append(f"parameter {name}")
+    for g, (group, ref) in enumerate(zip(opt.param_groups, ref_opt.param_groups)):
+        if {k: v for k, v in group.items() if k != "params"} != {
+            k: v for k, v in ref.items() if k != "params"
+        }:
+            out.append(f"param group {g}")
+    for (name, p), q in zip(fm.module.named_parameters(), ref_fm.module.parameters()):
+        st, ref_st = opt.state.get(p, {}), ref_opt.state.get(q, {})
+        if st.keys() != ref_st.keys():
+            out.append(f"state keys of {name}: {sorted(st)} vs {sorted(ref_st)}")
+            continue
+        for k in st:
+            a, b = torch.as_tensor(st[k]), torch.as_tensor(ref_st[k])
+            if a.dtype != b.dtype or not torch.equal(a, b):
+                out.append(f"state {k} of {name}")
+    return out
+
+
+@pytest.fixture(params=[False, True], ids=["all-train", "frozen"])
+def saved(request, tmp_path: Path) -> tuple[Path, bool]:
+    fm, opt = build(seed=0, freeze=request.param)
+    train(fm, opt, range(3))
+    return checkpoint.save(tmp_path / "ckpt", fm, step=3, optimizer=opt), request.param
+
+
+def test_the_model_is_mixed():
+    fm, _ = build(0)
+    assert fm.dtype == torch.uint8 and fm.dtypes == (BF16, FP32)
+    assert len(fm.layout.regions) >= 6  # bf16 and fp32 regions alternate
+
+
+def test_load_into_a_fresh_model_is_bitwise_and_training_goes_on_as_uninterrupted(saved):
+    path, freeze = saved
+    ref, ref_opt = build(seed=0, freeze=freeze)  # the uninterrupted run
+    train(ref, ref_opt, range(3))
+    fm, opt = build(seed=1, freeze=freeze)  # other weights and state
+    train(fm, opt, range(10, 12))
+    info = checkpoint.load(path, fm, optimizer=opt)
+    assert info.step == 3
+    assert not differences(fm, opt, ref, ref_opt)
+    assert {p.dtype for p in fm.parameters()} == {BF16, FP32}
+    assert torch.equal(fm.module.scale, ref.module.scale)
+    train(fm, opt, range(3, 5))
+    train(ref, ref_opt, range(3, 5))
+    assert not differences(fm, opt, ref, ref_opt)
+
+
+def test_every_tensor_is_stored_in_its_own_dtype(saved):
+    path, freeze = saved
+    fm, _ = build(seed=0, freeze=freeze)
+    meta = read_meta(path)
+    assert meta["format_version"] == 4 and meta["layout"]["format"] == 2
+    assert meta["layout"]["dtype"] == "uint8"
+    params = dict(fm.module.named_parameters())
+    with safe_open(path / "model-00001-of-00001.safetensors", "pt") as f:
+        names = f.keys()
+        assert set(names) == {*params, "scale"}
+        for name in names:
+            want = params.get(name, fm.module.scale)
+            assert f.get_tensor(name).dtype == want.dtype, name
+            assert f.get_tensor(name).shape == want.shape, name
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    nbytes = sum(p.numel() * p.element_size() for p in params.values()) + 3 * 4
+    assert index["metadata"]["total_size"] == nbytes
+    # the state of each parameter dtype, in that dtype (AdamW over the parameters themselves)
+    state = {"bfloat16": "bfloat16", "float32": "float32"}
+    assert meta["optimizer"]["flat_state"] == {"exp_avg": state, "exp_avg_sq": state}
+    trains = [s for s in fm.layout.slots if s.requires_grad]
+    with safe_open(path / "optim-00001-of-00001.safetensors", "pt") as f:
+        assert set(f.keys()) == {f"{k}/{d}" for k in ("exp_avg", "exp_avg_sq") for d in state}
+        for dtype in (BF16, FP32):
+            got = f.get_tensor(f"exp_avg/{str(dtype)[6:]}")
+            assert got.dtype == dtype
+            # the parameters of that dtype (alignment gaps between them too), not their bytes
+            elements = sum(s.numel for s in trains if s.torch_dtype == dtype)
+            assert elements <= got.numel() < elements + 8 * len(fm.layout.regions)
+
+
+def test_consolidate_keeps_each_dtype(saved, tmp_path):
+    path, freeze = saved
+    out = checkpoint.consolidate(path, tmp_path / "mixed.safetensors")
+    assert out.tensors == len(list(Mixed().state_dict()))
+    weights = load_file(tmp_path / "mixed.safetensors")
+    ref, ref_opt = build(seed=0, freeze=freeze)
+    train(ref, ref_opt, range(3))
+    for name, value in ref.module.state_dict().items():
+        assert weights[name].dtype == value.dtype and torch.equal(weights[name], value), name
+    plain = Mixed()  # a plain model takes them as they are
+    plain.load_state_dict(weights)
+    assert plain.blocks[1].up.weight.dtype == BF16 and plain.blocks[1].norm.weight.dtype == FP32
+
+
+def test_inspect_verifies_it_and_reshard_loads_as_the_original(saved, tmp_path, capsys):
+    path, freeze = saved
+    report = checkpoint.inspect_checkpoint(path)
+    assert report.ok, report.problems
+    assert report.dtypes == ["bfloat16", "float32"] and report.format_version == 4
+    fm, _ = build(0, freeze=freeze)
+    assert report.param_bytes == sum(p.numel() * p.element_size() for p in fm.parameters())
+    from torchshard._cli import main
+
+    assert main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "bfloat16, float32" in text and "exp_avg (bfloat16: bfloat16, float32: float32)" in text
+    direct, direct_opt = build(seed=1, freeze=freeze)
+    checkpoint.load(path, direct, optimizer=direct_opt)
+    for world in (2, 3):
+        resharded = checkpoint.reshard(path, tmp_path / f"at-{world}", world)
+        report = checkpoint.inspect_checkpoint(resharded)
+        assert report.ok and report.world_size == world, report.problems
+        assert len(list(resharded.glob("optim-*"))) == world
+        fm, opt = build(seed=2, freeze=freeze)
+        checkpoint.load(resharded, fm, optimizer=opt)
+        assert not differences(fm, opt, direct, direct_opt), world
+
+
+def test_state_in_another_dtype_than_its_parameters(tmp_path):
+    """fp32 moments of bf16 parameters (what an fp32 master's optimizer keeps) are saved as
+    fp32, and load back as torch's load_state_dict casts them, to the parameter's dtype."""
+    fm, opt = build(seed=0)
+    train(fm, opt, range(2))
+    for p in fm.parameters():
+        if p.dtype == BF16:
+            for key in ("exp_avg", "exp_avg_sq"):
+                opt.state[p][key] = opt.state[p][key].float()
+    path = checkpoint.save(tmp_path, fm, step=2, optimizer=opt)
+    state = read_meta(path)["optimizer"]["flat_state"]
+    assert state["exp_avg"] == {"bfloat16": "float32", "float32": "float32"}
+    with safe_open(path / "optim-00001-of-00001.safetensors", "pt") as f:
+        assert f.get_tensor("exp_avg/bfloat16").dtype == FP32
+    other, other_opt = build(seed=1)
+    checkpoint.load(path, other, optimizer=other_opt)
+    for p, q in zip(fm.parameters(), other.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            got = other_opt.state[q][key]
+            assert got.dtype == p.dtype and torch.equal(got, opt.state[p][key].to(p.dtype))
+
+
+# -- what is refused ---------------------------------------------------------------------------
+def test_a_checkpoint_of_other_dtypes_is_another_model(tmp_path):
+    mixed, mixed_opt = build(seed=0)
+    train(mixed, mixed_opt, range(1))
+    path = checkpoint.save(tmp_path / "mixed", mixed, step=1, optimizer=mixed_opt)
+    torch.manual_seed(0)
+    fm = torchshard.FlatParamModule(Mixed(), dtype=FP32)  # the same model, all float32
+    fm.bind(torch.empty(fm.numel))
+    opt = torch.optim.AdamW(fm.parameters())
+    message = refused(path, fm, opt)
+    assert "parameter 'embed.weight': bfloat16 in the checkpoint, float32 in this model" in message
+    single = checkpoint.save(tmp_path / "fp32", fm, step=1, optimizer=opt)
+    other, other_opt = build(seed=1)  # a float32 checkpoint into the mixed model
+    message = refused(single, other, other_opt)
+    assert "parameter 'embed.weight': float32 in the checkpoint, bfloat16 in this model" in message
+
+
+def test_a_mixed_layout_in_an_older_format_version_is_refused(saved):
+    path, _ = saved
+    meta = read_meta(path)
+    meta["format_version"] = 3
+    write_meta(path, meta)
+    fm, opt = build(seed=1)
+    message = refused(path, fm, opt)
+    assert "format_version" in message and "several dtypes" in message, message
+
+
+@pytest.mark.parametrize(
+    ("edit", "where"),
+    [
+        (lambda s: {**s, "exp_avg": "bfloat16"}, "optimizer.flat_state.exp_avg"),
+        (lambda s: {**s, "exp_avg": {"float16": "float32"}}, "optimizer.flat_state.exp_avg"),
+        (lambda s: {**s, "exp_avg": {}}, "optimizer.flat_state.exp_avg"),
+        (
+            lambda s: {**s, "exp_avg": {"bfloat16": "float99", "float32": "float32"}},
+            "optimizer.flat_state.exp_avg.bfloat16",
+        ),
+    ],
+    ids=["one dtype", "unknown parameter dtype", "empty", "unknown state dtype"],
+)
+def test_flat_state_of_a_mixed_layout_is_checked(saved, edit, where):
+    path, _ = saved
+    meta = read_meta(path)
+    meta["optimizer"]["flat_state"] = edit(meta["optimizer"]["flat_state"])
+    write_meta(path, meta)
+    fm, opt = build(seed=1)
+    message = refused(path, fm, opt)
+    assert f"{where}:" in message, message
+
+
+def test_a_slot_without_its_dtype_is_refused(saved):
+    path, _ = saved
+    meta = read_meta(path)
+    meta["layout"]["slots"][0] = meta["layout"]["slots"][0][:6]
+    write_meta(path, meta)
+    fm, opt = build(seed=1)
+    assert "layout.slots[0]" in refused(path, fm, opt)
+
+
+# -- a transformers model -------------------------------------------------------------------------
+def test_a_transformers_model_exports_for_from_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from models import tiny_hf_config
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config("llama")).to(BF16)
+    for module in model.modules():
+        if "norm" in type(module).__name__.lower():
+            module.float()  # RMSNorm weights in float32, as mixed-precision training keeps them
+    fm = torchshard.FlatParamModule(model)
+    assert fm.dtypes == (BF16, FP32)
+    fm.bind(torch.empty(fm.numel, dtype=fm.dtype))
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    path = checkpoint.save(tmp_path / "ckpt", fm, step=1)
+    assert read_meta(path)["model_config"]["dtype"] == "bfloat16"  # as save_pretrained says
+    out = tmp_path / "hf"
+    checkpoint.consolidate(path, out)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        names = f.keys()
+        assert set(names) == set(want)
+        for name in names:
+            assert f.get_tensor(name).dtype == want[name].dtype, name
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=FP32)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, want[name].float()), name
