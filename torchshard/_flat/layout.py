@@ -262,6 +262,17 @@ class FlatLayout:
             for k, (lo, hi) in enumerate(zip(cuts, his))
         )
 
+    def typed(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """``buffer`` (a flat buffer of this layout) as typed tensors: one per region of a
+        mixed layout, else ``[buffer]`` itself (padding past ``numel`` included).
+
+        Example::
+
+            for t in fm.layout.typed(fm.flat_param):
+                t.mul_(0.5)   # arithmetic on every parameter, each in its own dtype
+        """
+        return [r.view(buffer) for r in self.regions] if self.mixed else [buffer]
+
     def region_of(self, position: int) -> Region:
         """The region holding buffer position ``position``."""
         for r in self.regions:

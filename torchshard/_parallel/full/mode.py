@@ -92,6 +92,13 @@ class FullyShard(Mode):
     # -- construction ----------------------------------------------------------------------
     def prepare(self, fm: FlatParamModule) -> None:
         """Resolve the units (no tensors, no collective), before the ranks compare models."""
+        if fm.layout.mixed:
+            names = ", ".join(str(d).removeprefix("torch.") for d in fm.dtypes)
+            raise TorchShardError(
+                f"shard='full': parameters of several dtypes ({names}) are not supported by "
+                "the fully sharded mode yet; use shard=True or shard=False, or wrap with "
+                "FlatParamModule(model, dtype=...) to cast them all to one"
+            )
         self.units = resolve_units(fm.module, fm.layout, self.spec)
 
     def adopt(
