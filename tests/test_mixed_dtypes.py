@@ -218,3 +218,44 @@ def _full_refuses() -> str:
 def test_the_fully_sharded_mode_refuses_mixed_dtypes_by_name():
     (msg,) = run_distributed(_full_refuses, 1, timeout=60)
     assert "shard='full'" in msg and "bfloat16" in msg and "float32" in msg and "dtype=" in msg
+
+
+def _reduced_in_fp32(shard: bool) -> dict:
+    """``reduce_dtype=torch.float32`` on the mixed model: every gradient summed in fp32.
+    The oracle: every rank's local gradient summed in fp32, halved, rounded once to the
+    parameter's dtype where the optimizer steps the parameter (replicated), kept in fp32
+    where it steps an fp32 master (``shard=True``)."""
+    rank = dist.get_rank()
+    ref = _model()
+    local = copy.deepcopy(ref)
+    F.mse_loss(local(data(rank, 0)[0]), data(rank, 0)[1]).backward()
+    fm = FlatParamModule(copy.deepcopy(ref))
+    trainer = DistributedTrainer(fm, shard=shard, bucket_mb=0.001, reduce_dtype=FP32)
+    if shard:
+        trainer.make_optimizer(torch.optim.SGD, lr=0.1)
+    F.mse_loss(fm(data(rank, 0)[0]), data(rank, 0)[1]).backward()
+    trainer.average_gradients()
+    sums = []  # every parameter's, on every rank alike: then this rank's pieces
+    for p in local.parameters():
+        every = [torch.empty_like(p.grad) for _ in range(2)]
+        dist.all_gather(every, p.grad)
+        sums.append((every[0].float() + every[1].float()) / 2)
+    wrong = []
+    for i, a, b, t in trainer.optimizer_segments():
+        s = fm.layout.slots[i]
+        want = sums[i].to(t.dtype).reshape(-1)
+        want = want[(a - s.offset) // s.width : (b - s.offset) // s.width]
+        if t.grad.dtype != t.dtype or not torch.equal(t.grad.reshape(-1), want):
+            wrong.append(s.name)
+    trainer.close()
+    return {"wrong": wrong, "segments": len(trainer.optimizer_segments())}
+
+
+FP32_SUM = Cases(_reduced_in_fp32, params=["shard"], timeout=120, world_size=2)
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+@FP32_SUM.mark(cases=2)
+def test_reduce_dtype_sums_every_dtype_in_fp32(request, shard):
+    for r in FP32_SUM.results(request):
+        assert r["segments"] > 0 and r["wrong"] == [], r
