@@ -103,7 +103,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
     "_parallel.units": {"_errors", "_flat.geometry", "_flat.layout"},
     # the fully sharded mode, one way: collectives -> storage -> grads / init -> schedule -> mode
     "_parallel.full.collectives": {"_parallel.reducer"},
-    "_parallel.full.storage": {"_parallel.full.collectives", "_parallel.units"},
+    "_parallel.full.storage": {"_flat.layout", "_parallel.full.collectives", "_parallel.units"},
     "_parallel.full.grads": {
         "_errors",
         "_parallel.comm",

@@ -15,6 +15,8 @@ to back (the fp32 parts too: a copy, for the norms and routers such models keep 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -209,16 +211,12 @@ class ShardedOptimizer(Mode):
 
     def local_shards(self, ctx: Context) -> LocalShards:
         layout = ctx.fm.layout
-        if self._weights is None:  # the buffer itself, from 0 or from the trainable suffix
-            runs = [(self._at or 0, layout.numel, 0)]
-        else:
-            runs = self._runs
+        # the buffer itself (from 0 or from the trainable suffix), or the trainable copy's runs
+        runs = [(self._at or 0, layout.numel, 0)] if self._weights is None else self._runs
         if layout.mixed:  # runs of one dtype each: the master's elements, back to back
             cuts = [r.start for r in layout.grad_layout.regions[1:]]
             runs = [
-                (a + x - c, a + y - c, x)
-                for a, b, c in runs
-                for x, y in _cut(c, c + b - a, cuts)
+                (a + x - c, a + y - c, x) for a, b, c in runs for x, y in _cut(c, c + b - a, cuts)
             ]
         # each run is a region of the flat buffer, cut where the ranks' slices of the
         # gradient space cut it
@@ -263,5 +261,4 @@ def _parts(
 
 def _cut(a: int, b: int, cuts: list[int]) -> list[tuple[int, int]]:
     """``[a, b)`` cut at each of ``cuts`` inside it."""
-    bounds = [a, *(c for c in cuts if a < c < b), b]
-    return list(zip(bounds, bounds[1:]))
+    return list(itertools.pairwise([a, *(c for c in cuts if a < c < b), b]))
