@@ -251,7 +251,7 @@ ROOT = {  # shared ground floor, and the tools above the wings
     "_dist": {"_errors", "_exit", "_log"},
     "data": {"_errors"},
     # torchshard estimate: a model on meta -> its estimate -> the table -> its command line
-    "_estimate.model": {"_errors", "_flat.layout", "_flat.module", "_log"},
+    "_estimate.model": {"_errors", "_flat.hf", "_flat.layout", "_flat.module", "_log"},
     "_estimate.trainable": {"_estimate.model"},  # what trains: LoRA (PEFT), name patterns
     "_estimate.estimate": {
         "_estimate.model",
