@@ -176,3 +176,12 @@ def test_config_of_a_mixed_model_names_its_own_dtype():
     fm = torchshard.FlatParamModule(model)
     assert transformers_config(model, fm.dtype)["dtype"] == "bfloat16"  # not the bytes'
     assert transformers_config(model, FP16)["dtype"] == "float16"
+
+
+def test_flat_param_module_keeps_what_transformers_keeps_in_fp32():
+    fm = torchshard.FlatParamModule(on_meta(StrictLlama, tiny_hf_config("llama"), BF16))
+    assert fp32_names(fm.module) == NORMS and fm.dtypes == (BF16, FP32)
+    cast = torchshard.FlatParamModule(
+        on_meta(StrictLlama, tiny_hf_config("llama"), BF16), dtype=BF16
+    )
+    assert cast.dtypes == (BF16,)

@@ -1,7 +1,8 @@
 """Memory plans of a layout whose parameters keep several dtypes (bf16 linears, fp32 norms)
 in one byte buffer: parameter and gradient bytes as they lie in the buffer, optimizer state
-per element in its dtype (replicated) or in fp32 (sharded), and fp32 masters only for the
-elements that are not fp32 already. Hand-computed; and the bounds hold every plan."""
+per element in its dtype (replicated) or in fp32 (sharded), and in the sharded modes one fp32
+master of every element of the rank's part (the trainer keeps the few fp32 ones there too).
+Hand-computed; the bounds hold every plan; and the plan is what a trainer holds."""
 
 from __future__ import annotations
 
@@ -73,16 +74,16 @@ def test_sharded():
     # rank 0 [0, 160): layers.0.lin (64 bf16), layers.0.norm.weight (8 fp32)
     # rank 1 [160, 320): layers.0.norm.bias (8 fp32), layers.1.lin (64 bf16)
     # rank 2 [320, 480): layers.1.norm (16 fp32), head (32 bf16), 32 bytes of padding (bf16's)
-    # state in fp32 for every element (a master's or the fp32 parameter's own): 2 * 4 bytes
-    # each; masters (and their gradient) in fp32 for the bf16 elements only: 2 * 4 bytes each
+    # state in fp32 for every element: 2 * 4 bytes each; a master (and its gradient) in fp32
+    # of every element of the slice, padding included: 2 * 4 bytes each
     assert rows(plan_memory(layout(), 3, shard=True)) == [
-        (480, 480, 8 * 72 + 4 * 2, 8 * 64, 0),
-        (480, 480, 8 * 72 + 4 * 2, 8 * 64, 0),
-        (480, 480, 8 * 48 + 4 * 3, 8 * (32 + 16), 0),
+        (480, 480, 8 * 72 + 4 * 2, 8 * 72, 0),
+        (480, 480, 8 * 72 + 4 * 2, 8 * 72, 0),
+        (480, 480, 8 * 48 + 4 * 3, 8 * (16 + 32 + 16), 0),
     ]
-    # a bf16 master: no master for bf16, a bf16 one for fp32 elements (state in bf16)
+    # a bf16 master: of every element too (state in bf16)
     assert rows(plan_memory(layout(), 3, shard=True, master_dtype=BF16))[0] == (
-        480, 480, 4 * 72 + 4 * 2, 2 * 2 * 8, 0
+        480, 480, 4 * 72 + 4 * 2, 2 * 2 * 72, 0
     )  # fmt: skip
 
 
@@ -99,8 +100,8 @@ def test_fully_sharded():
     assert rows(plan_memory(lay, 2, shard="full")) == [
         # the bf16 stripes as fp32 masters, with their gradients: 2 * 112 * 4
         (0, 0, 8 * 112 + 4 * 3, 2 * 112 * 4, transient),
-        # the fp32 stripes in their own dtype (parameters, gradients), bf16 as masters
-        (32 * 4, 32 * 4, 8 * 80 + 4 * 7, 2 * 48 * 4, transient),
+        # the stripes of a mixed layout are fp32 masters whole, their fp32 elements too
+        (0, 0, 8 * 80 + 4 * 7, 2 * 80 * 4, transient),
     ]
 
 
@@ -114,8 +115,8 @@ def test_frozen():
     # 2 ranks: [0, 160) norm0 (16 fp32) and 48 bf16 of layers.1.lin; [160, 320) its 16 others,
     # norm1 (16 fp32) and head (32 bf16)
     assert rows(plan_memory(lay, 2, shard=True)) == [
-        (448, 320, 8 * 64 + 4 * 3, 8 * 48, 0),
-        (448, 320, 8 * 64 + 4 * 4, 8 * 48, 0),
+        (448, 320, 8 * 64 + 4 * 3, 8 * 64, 0),
+        (448, 320, 8 * 64 + 4 * 4, 8 * 64, 0),
     ]
 
 
@@ -153,4 +154,4 @@ def test_every_rank_sums_to_the_whole():
         plan = plan_memory(lay, n, shard=True, optimizer="sgd")  # one state, no scalar
         assert sum(r.optimizer for r in plan) == 4 * (160 + 32)
         padded = plan[0].gradients
-        assert sum(r.master for r in plan) == 8 * (160 + (padded - 448) // 2)
+        assert sum(r.master for r in plan) == 8 * (192 + (padded - 448) // 2)

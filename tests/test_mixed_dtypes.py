@@ -22,7 +22,7 @@ from cases import Cases
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from torchshard import DistributedTrainer, FlatParamModule
+from torchshard import DistributedTrainer, FlatParamModule, plan_memory
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -267,3 +267,30 @@ FP32_SUM = Cases(_reduced_in_fp32, params=["shard"], timeout=120, world_size=2)
 def test_reduce_dtype_sums_every_dtype_in_fp32(request, shard):
     for r in FP32_SUM.results(request):
         assert r["segments"] > 0 and r["wrong"] == [], r
+
+
+def _held_against_the_plan(shard: bool | str, frozen: bool) -> dict:
+    """What a trainer holds after a step (``memory_stats``) and what ``plan_memory`` said it
+    would, for this rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fm = FlatParamModule(_model(frozen))
+    trainer = DistributedTrainer(fm, shard=shard)
+    trainer.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    F.mse_loss(fm(data(rank, 0)[0]), data(rank, 0)[1]).backward()
+    trainer.step()
+    held = trainer.memory_stats()
+    (plan,) = [r for r in plan_memory(fm.layout, world, shard=shard) if r.rank == rank]
+    trainer.close()
+    keys = ("parameters", "gradients", "optimizer", "master")
+    return {"held": [getattr(held, k) for k in keys], "plan": [getattr(plan, k) for k in keys]}
+
+
+PLAN = Cases(_held_against_the_plan, params=["shard", "frozen"], timeout=120)
+
+
+@pytest.mark.parametrize("world_size", PLAN.world_sizes(2, 3, cases=6))
+@pytest.mark.parametrize("frozen", [False, True], ids=["all-train", "some-frozen"])
+@pytest.mark.parametrize("shard", MODES, ids=MODE_IDS)
+def test_plan_memory_is_what_a_trainer_holds(request, shard, frozen, world_size):
+    for r in PLAN.results(request):
+        assert r["held"] == r["plan"] and all(b > 0 for b in r["held"][2:3]), r

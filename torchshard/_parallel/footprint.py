@@ -252,15 +252,17 @@ def _flat_plan(layout: FlatLayout, world_size: int, req: Request, sliced: bool) 
         parts = [(s, n) for s, n in parts if n > 0]
         state = sum(n * item(s.torch_dtype) for s, n in parts)
         opt = per_element * state + scalars * 4 * len(parts)
-        master = _master_bytes(req, of(a, b)) if sliced else 0
+        master = _master_bytes(req, of(a, b), layout.mixed) if sliced else 0
         out.append(RankMemory(rank, flat * itemsize, grad_bytes, opt, master + copy))
     return out
 
 
-def _master_bytes(req: Request, elements: list[tuple[torch.dtype, int]]) -> int:
-    """A master copy and its gradient (``master_dtype``) of the elements not in that dtype."""
+def _master_bytes(req: Request, elements: list[tuple[torch.dtype, int]], mixed: bool) -> int:
+    """A master copy and its gradient (``master_dtype``) of the elements not in that dtype;
+    of every element in a ``mixed`` layout, whose rank part one master holds whole (the
+    sharded modes keep its few fp32 norms and routers there too)."""
     master = req.master_dtype
-    return sum(2 * k * master.itemsize for d, k in elements if d != master)
+    return sum(2 * k * master.itemsize for d, k in elements if mixed or d != master)
 
 
 def _bracket(
@@ -325,8 +327,9 @@ class Slices:
         # the state and the master copy vary by rank
         per_element, _ = OPTIMIZER_STATES[req.optimizer]
         state = lambda d: per_element * req.state_dtype(d).itemsize  # noqa: E731
-        master = lambda d: _master_bytes(req, [(d, 1)])  # noqa: E731
-        total = _trainable_bytes(layout, state) + _master_bytes(req, typed(grads, 0, padded))
+        master = lambda d: _master_bytes(req, [(d, 1)], layout.mixed)  # noqa: E731
+        total = _trainable_bytes(layout, state)
+        total += _master_bytes(req, typed(grads, 0, padded), layout.mixed)
         size = padded // world_size  # every slice has this length
         return _bracket(
             layout, req, world_size, fixed, (total, size, lambda d: state(d) + master(d))
@@ -363,20 +366,23 @@ class Stripes:
                     n = _part(s, a, b) if s.requires_grad else 0
                     if n > 0:
                         parts.append((s.torch_dtype, n))
-            own, master = self._split(req, stripes)
+            own, master = self._split(req, stripes, layout.mixed)
             # with frozen parameters, gradients for the trainable parts of the stripes only
-            g_own, g_master = (own, master) if every else self._split(req, parts)
+            g_own, g_master = (own, master) if every else self._split(req, parts, layout.mixed)
             state = sum(k * req.state_dtype(d).itemsize for d, k in parts)
             opt = per_element * state + scalars * 4 * len(parts)
             out.append(RankMemory(rank, own, g_own, opt, master + g_master, transient))
         return out
 
     @staticmethod
-    def _split(req: Request, elements: list[tuple[torch.dtype, int]]) -> tuple[int, int]:
+    def _split(
+        req: Request, elements: list[tuple[torch.dtype, int]], mixed: bool
+    ) -> tuple[int, int]:
         """Bytes of ``(dtype, elements)`` held in ``master_dtype``: in their own dtype (that
-        one), and as a master copy (any other)."""
+        one), and as a master copy (any other; every one in a ``mixed`` layout, whose stripes
+        are masters whole)."""
         held = [k * req.master_dtype.itemsize for d, k in elements]
-        own = sum(n for n, (d, _) in zip(held, elements) if d == req.master_dtype)
+        own = sum(n for n, (d, _) in zip(held, elements) if d == req.master_dtype and not mixed)
         return own, sum(held) - own
 
     def bounds(self, layout: FlatLayout, world_size: int, req: Request) -> tuple[int, int]:
