@@ -294,3 +294,12 @@ PLAN = Cases(_held_against_the_plan, params=["shard", "frozen"], timeout=120)
 def test_plan_memory_is_what_a_trainer_holds(request, shard, frozen, world_size):
     for r in PLAN.results(request):
         assert r["held"] == r["plan"] and all(b > 0 for b in r["held"][2:3]), r
+
+
+def test_a_bf16_master_would_round_the_fp32_parameters_and_is_refused():
+    from torchshard import TorchShardError
+
+    for shard in (True, "full"):
+        fm = FlatParamModule(_model())
+        with pytest.raises(TorchShardError, match=r"master_dtype: torch.bfloat16 would round"):
+            DistributedTrainer(fm, shard=shard, master_dtype=BF16)

@@ -76,9 +76,11 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
     "_parallel.sharded": {
         "_flat.geometry",
         "_flat.layout",
+        "_flat.module",
         "_parallel.buckets",
         "_parallel.comm",
         "_parallel.mode",
+        "_parallel.setup",
         "_parallel.shards",
     },
     "_parallel.reducer": {
@@ -129,6 +131,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_parallel.full.schedule",
         "_parallel.full.storage",
         "_parallel.mode",
+        "_parallel.setup",
         "_parallel.shards",
         "_parallel.units",
     },

@@ -22,9 +22,11 @@ import torch.distributed as dist
 
 from .._flat.geometry import sliced_numel
 from .._flat.layout import FlatLayout
+from .._flat.module import FlatParamModule
 from .buckets import Bucket
 from .comm import BucketComm, ReduceToOwner
 from .mode import Context, Mode, Segment
+from .setup import check_master_dtype
 from .shards import LocalShards
 
 __all__ = ["ShardedOptimizer"]
@@ -51,6 +53,10 @@ class ShardedOptimizer(Mode):
         self._pieces: list[tuple[int, int, int, torch.nn.Parameter]] = []  # gradient space
         self._segments: list[Segment] = []  # the same pieces, in flat-buffer coordinates
         self.bytes_gathered = 0
+
+    def prepare(self, fm: FlatParamModule) -> None:
+        check_master_dtype(fm.layout, self.master_dtype)
+        super().prepare(fm)
 
     def flat_numel(self, layout: FlatLayout, world_size: int) -> int:
         return sliced_numel(layout, world_size)

@@ -36,6 +36,7 @@ from ..._errors import TorchShardError
 from ..._flat.module import FlatParamModule
 from ..buckets import Bucket
 from ..mode import Context, Mode, Segment
+from ..setup import check_master_dtype
 from ..shards import LocalShards
 from ..units import Unit, UnitSpec, resolve_units
 from .collectives import UnitComm
@@ -92,6 +93,7 @@ class FullyShard(Mode):
     # -- construction ----------------------------------------------------------------------
     def prepare(self, fm: FlatParamModule) -> None:
         """Resolve the units (no tensors, no collective), before the ranks compare models."""
+        check_master_dtype(fm.layout, self.master_dtype)
         self.units = resolve_units(fm.module, fm.layout, self.spec)
 
     def adopt(
