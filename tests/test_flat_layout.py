@@ -150,11 +150,17 @@ def test_mixed_dtypes_keep_their_own_in_a_byte_buffer():
     assert layout.dtypes == (torch.float32, torch.float16)
     # offsets in bytes, 16-aligned; each slot its own dtype, numel in its elements
     got = [(s.dtype, s.offset, s.numel, s.end) for s in layout]
-    assert got == [("float32", 0, 6, 24), ("float32", 32, 3, 44), ("float16", 48, 6, 60),
-                   ("float16", 64, 2, 68)]
+    assert got == [
+        ("float32", 0, 6, 24),
+        ("float32", 32, 3, 44),
+        ("float16", 48, 6, 60),
+        ("float16", 64, 2, 68),
+    ]
     assert layout.numel == 80 and layout.nbytes == 80
     assert [(r.dtype, r.start, r.end, r.lo, r.hi) for r in layout.regions] == [
-        (torch.float32, 0, 48, 0, 2), (torch.float16, 48, 80, 2, 4)]
+        (torch.float32, 0, 48, 0, 2),
+        (torch.float16, 48, 80, 2, 4),
+    ]
     assert FlatLayout.from_json(layout.to_json()) == layout
     assert layout.to_dict()["format"] == 2
     cast = FlatLayout.from_module(model, dtype=torch.float32)
@@ -194,7 +200,10 @@ def test_integer_dtype_is_refused():
 @pytest.mark.parametrize(
     ("mutate", "match"),
     [
-        (lambda d: d.update(format=99), "format: expected 1 for a layout of dtype .float32., got 99"),
+        (
+            lambda d: d.update(format=99),
+            "format: expected 1 for a layout of dtype .float32., got 99",
+        ),
         (lambda d: d.update(dtype="nonsense"), "dtype"),
         (lambda d: d.pop("slots"), "malformed"),
         (lambda d: d["slots"][1].__setitem__(2, 4), "bad offset"),  # overlaps weight

@@ -459,7 +459,9 @@ def test_bind_errors_are_clear():
 def test_construction_errors():
     with pytest.raises(LayoutError, match="no parameters"):
         FlatParamModule(nn.Sequential())
-    with pytest.raises(LayoutError, match=r"floating point dtype, got torch.int64 \(parameter 'w'\)"):
+    with pytest.raises(
+        LayoutError, match=r"floating point dtype, got torch.int64 \(parameter 'w'\)"
+    ):
         m = nn.Module()
         m.w = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
         FlatParamModule(m)

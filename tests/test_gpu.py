@@ -517,3 +517,40 @@ def test_fp16_mean_does_not_overflow(shard):
     means = run(_fp16_mean, 2, shard)
     flat = [v for rank in means for v in rank]
     assert flat and all(v == 4e4 for v in flat), means  # inf when summed before dividing
+
+
+def _mixed_on_nccl(shard: bool | str) -> list[str]:
+    """bf16 linears, fp32 norms and routers on NCCL: typed buckets, a byte buffer all-gathered
+    and broadcast as bytes, typed pieces reduced to their owners."""
+    from test_mixed_dtypes import MixedNet
+
+    device = _init_nccl()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = MixedNet().to(device)
+    fm = FlatParamModule(copy.deepcopy(ref))
+    ddp = DDP(ref, device_ids=[device.index])
+    trainer = DistributedTrainer(fm, device=device, shard=shard, bucket_mb=0.001)
+    assert fm.dtypes == (torch.bfloat16, torch.float32)
+    trainer.make_optimizer(torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(6, 8, generator=g).to(device)
+    fm(x).float().pow(2).mean().backward()
+    ddp(x).float().pow(2).mean().backward()
+    trainer.step()
+    ref_opt.step()
+    wrong = []
+    with trainer.gathered():
+        for (name, p), q in zip(fm.module.named_parameters(), ref.parameters()):
+            tol = 2e-2 if p.dtype == torch.bfloat16 else 1e-5  # a step of lr 0.5, rounded
+            if p.dtype != q.dtype or not torch.allclose(p.float(), q.float(), rtol=tol, atol=tol):
+                wrong.append(name)
+    trainer.assert_in_sync()
+    trainer.close()
+    return wrong
+
+
+@pytest.mark.parametrize("shard", [False, True, "full"], ids=["replicated", "sharded", "full"])
+def test_mixed_dtypes_step_like_ddp_on_nccl(shard):
+    assert run(_mixed_on_nccl, 2, shard) == [[], []]

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from cases import Cases
 from test_frozen import LoRANet, data
+from test_mixed_dtypes import MixedNet
 
 from torchshard import DistributedTrainer, FlatParamModule
 
@@ -23,15 +24,17 @@ MODE_IDS = ["replicated", "sharded", "full"]
 BAD_STEP = 2
 
 
-def _overflow_on_one_rank(shard: bool | str) -> dict:
+def _overflow_on_one_rank(shard: bool | str, model: str) -> dict:
+    """``model``: ``"lora"`` (frozen and trainable fp32 parameters alternate) or ``"mixed"``
+    (bf16 linears, fp32 norms and routers: the flat buffers are bytes)."""
     rank = dist.get_rank()
     torch.manual_seed(0)
-    fm = FlatParamModule(LoRANet())
+    fm = FlatParamModule(LoRANet() if model == "lora" else MixedNet())
     trainer = DistributedTrainer(fm, shard=shard, bucket_mb=0.002)
     trainer.make_optimizer(torch.optim.AdamW, lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
     # the first trainable parameter: in rank 0's slice and stripes
-    target = fm.module.blocks[0][0].weight
+    target = fm.module.blocks[0][0].weight if model == "lora" else fm.module.embed.weight
     step_now = [0]
 
     def poison(g: torch.Tensor) -> torch.Tensor:
@@ -60,12 +63,13 @@ def _overflow_on_one_rank(shard: bool | str) -> dict:
     return {"scales": scales, "changed": changed}
 
 
-SCALER = Cases(_overflow_on_one_rank, params=["shard"], timeout=120, world_size=2)
+SCALER = Cases(_overflow_on_one_rank, params=["shard", "model"], timeout=120, world_size=2)
 
 
+@pytest.mark.parametrize("model", ["lora", "mixed"])
 @pytest.mark.parametrize("shard", MODES, ids=MODE_IDS)
-@SCALER.mark(cases=3)
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(request, shard):
+@SCALER.mark(cases=6)
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(request, shard, model):
     ranks = SCALER.results(request)
     for r in ranks:
         assert r["changed"] == [True, True, False, True], r

@@ -76,9 +76,11 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
     "_parallel.sharded": {
         "_flat.geometry",
         "_flat.layout",
+        "_flat.module",
         "_parallel.buckets",
         "_parallel.comm",
         "_parallel.mode",
+        "_parallel.setup",
         "_parallel.shards",
     },
     "_parallel.reducer": {
@@ -103,7 +105,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
     "_parallel.units": {"_errors", "_flat.geometry", "_flat.layout"},
     # the fully sharded mode, one way: collectives -> storage -> grads / init -> schedule -> mode
     "_parallel.full.collectives": {"_parallel.reducer"},
-    "_parallel.full.storage": {"_parallel.full.collectives", "_parallel.units"},
+    "_parallel.full.storage": {"_flat.layout", "_parallel.full.collectives", "_parallel.units"},
     "_parallel.full.grads": {
         "_errors",
         "_parallel.comm",
@@ -129,6 +131,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_parallel.full.schedule",
         "_parallel.full.storage",
         "_parallel.mode",
+        "_parallel.setup",
         "_parallel.shards",
         "_parallel.units",
     },
@@ -265,7 +268,7 @@ ROOT = {  # shared ground floor, and the tools above the wings
     "_dist": {"_errors", "_exit", "_log"},
     "data": {"_errors"},
     # torchshard estimate: a model on meta -> its estimate -> the table -> its command line
-    "_estimate.model": {"_errors", "_flat.layout", "_flat.module", "_log"},
+    "_estimate.model": {"_errors", "_flat.hf", "_flat.layout", "_flat.module", "_log"},
     "_estimate.trainable": {"_estimate.model"},  # what trains: LoRA (PEFT), name patterns
     "_estimate.estimate": {
         "_estimate.model",

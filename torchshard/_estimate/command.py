@@ -242,19 +242,21 @@ def run(args: argparse.Namespace) -> str:
     """
     overrides = dict(args.overrides)
     trainable = trainable_of(args)  # checked before the model is built
+    dtype = DTYPES[args.dtype]
     if is_factory(args.model):
         if overrides:
             raise EstimateError(
                 f"--set: expected a transformers config or model_type to change, got the "
                 f"factory {args.model!r}; change the factory instead"
             )
-        model = build_factory(args.model)
+        model, cast = build_factory(args.model), dtype
     else:
-        model = build_hf_model(args.model, overrides)
+        # built in dtype, what transformers keeps in fp32 in fp32: each keeps its own
+        model, cast = build_hf_model(args.model, overrides, dtype), None
     model_class = type(model).__name__
     model = trainable.apply(model)  # with LoRA, PEFT's model wrapping it
     chosen = [e for e in MODES if getattr(args, f"mode_{e.name}")] or list(MODES)
-    layout = layout_of(model, DTYPES[args.dtype])
+    layout = layout_of(model, cast)
     report = estimate_memory(
         layout,
         world_size=args.world_size,

@@ -93,10 +93,10 @@ class MemoryEstimate:
     model_class: str
     tensors: int  # unique parameters
     parameters: int  # their elements
-    numel: int  # the flat buffer (with alignment padding)
+    numel: int  # the flat buffer (with alignment padding): bytes, with several dtypes
     trainable_tensors: int  # the parameters that train (requires_grad)
     trainable_parameters: int  # their elements: what has gradients and optimizer state
-    dtype: torch.dtype
+    dtype: torch.dtype  # the parameters'; with several, the one most of them have
     optimizer: str
     world_size: int
     modes: tuple[ModeEstimate, ...]
@@ -106,11 +106,33 @@ class MemoryEstimate:
     prefetch: int = 1
     reshard_after_forward: bool = True
     trainable: Trainable = EVERY_PARAMETER  # how the model was told what trains
+    # (dtype, parameter bytes, trainable bytes) for each of the parameters' dtypes, in layout
+    # order; empty: every parameter is of ``dtype``
+    dtype_bytes: tuple[tuple[torch.dtype, int, int], ...] = ()
 
     @property
     def trainable_bytes(self) -> int:
-        """The trainable parameters' bytes in the model's dtype (one gradient's worth)."""
+        """The trainable parameters' bytes, each in its dtype (one gradient's worth)."""
+        if self.dtype_bytes:
+            return sum(t for *_, t in self.dtype_bytes)
         return self.trainable_parameters * self.dtype.itemsize
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        """The parameters' dtypes, in layout order (several: a mixed layout, in bytes)."""
+        return tuple(d for d, *_ in self.dtype_bytes) or (self.dtype,)
+
+    @property
+    def parameter_bytes(self) -> dict[str, int]:
+        """The parameters' bytes by dtype name (alignment padding not counted).
+
+        Example::
+
+            est.parameter_bytes   # {"bfloat16": 13476831232, "float32": 2162688}
+        """
+        if self.dtype_bytes:
+            return {dtype_name(d): b for d, b, _ in self.dtype_bytes}
+        return {dtype_name(self.dtype): self.parameters * self.dtype.itemsize}
 
     @property
     def budget(self) -> int | None:
@@ -142,6 +164,7 @@ class MemoryEstimate:
             "trainable_bytes": self.trainable_bytes,
             **self.trainable.to_dict(),
             "dtype": dtype_name(self.dtype),
+            "parameter_bytes": self.parameter_bytes,
             "master_dtype": dtype_name(MASTER_DTYPE),
             "optimizer": self.optimizer,
             "world_size": self.world_size,
@@ -261,7 +284,7 @@ def estimate_memory(
         numel=layout.numel,
         trainable_tensors=len(layout.trainable),
         trainable_parameters=sum(layout.slots[i].numel for i in layout.trainable),
-        dtype=layout.torch_dtype,
+        dtype=max(layout.dtypes, key=lambda d: sum(s.numel for s in layout if s.torch_dtype == d)),
         optimizer=optimizer,
         world_size=world_size,
         modes=tuple(out),
@@ -271,4 +294,15 @@ def estimate_memory(
         prefetch=prefetch,
         reshard_after_forward=reshard_after_forward,
         trainable=trainable,
+        dtype_bytes=_dtype_bytes(layout),
     )
+
+
+def _dtype_bytes(layout: FlatLayout) -> tuple[tuple[torch.dtype, int, int], ...]:
+    """(dtype, parameter bytes, trainable bytes) per dtype of ``layout``, in layout order."""
+    out = []
+    for d in layout.dtypes:
+        slots = [s for s in layout if s.torch_dtype == d]
+        total = sum(s.numel for s in slots) * d.itemsize
+        out.append((d, total, sum(s.numel for s in slots if s.requires_grad) * d.itemsize))
+    return tuple(out)

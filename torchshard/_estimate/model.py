@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._errors import TorchShardError
+from .._flat.hf import keep_in_fp32
 from .._flat.layout import FlatLayout
 from .._flat.module import FlatParamModule
 from .._log import get_logger
@@ -116,15 +117,21 @@ def _read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def build_hf_model(spec: str, overrides: Mapping[str, Any] | None = None) -> nn.Module:
+def build_hf_model(
+    spec: str, overrides: Mapping[str, Any] | None = None, dtype: torch.dtype | None = None
+) -> nn.Module:
     """A causal LM built on meta from a config JSON file (or a directory holding config.json)
     or a transformers ``model_type`` with its defaults; ``overrides`` replace config values.
 
-    Never downloads: configs come from local files or transformers' own defaults.
+    With ``dtype``, built in it as ``from_config(config, dtype=dtype)`` builds, and what
+    transformers keeps in fp32 when it loads the model in that dtype (its
+    ``_keep_in_fp32_modules``, what its code creates in fp32) is fp32, as ``from_pretrained``
+    would have it (:func:`keep_in_fp32`). Never downloads: configs come from local files or
+    transformers' own defaults.
 
     Example::
 
-        model = build_hf_model("llama", {"num_hidden_layers": 2})
+        model = build_hf_model("llama", {"num_hidden_layers": 2}, torch.bfloat16)
     """
     overrides = dict(overrides or {})
     path = Path(spec)
@@ -165,7 +172,8 @@ def build_hf_model(spec: str, overrides: Mapping[str, Any] | None = None) -> nn.
         raise EstimateError(f"{where} with {sets}: bad config: {_one_line(e)}") from e
     try:
         with init_empty_weights():
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            kw = {} if dtype is None else {_dtype_keyword(transformers): dtype}
+            model = transformers.AutoModelForCausalLM.from_config(config, **kw)
     except Exception as e:
         if "Unrecognized configuration class" in str(e):  # not a causal LM
             got = f"{type(config).__name__}, which has no causal LM class"
@@ -174,16 +182,25 @@ def build_hf_model(spec: str, overrides: Mapping[str, Any] | None = None) -> nn.
         raise EstimateError(
             f"{where}: expected a config of a causal LM that builds on meta, got {got}"
         ) from e
+    keep_in_fp32(model)
     logger.debug("built %s from %s on meta", type(model).__name__, where)
     return model
 
 
-def layout_of(model: nn.Module, dtype: torch.dtype) -> FlatLayout:
-    """The flat layout the trainer would use for ``model`` cast to ``dtype`` (allocates nothing
-    for a model on meta).
+def _dtype_keyword(transformers: Any) -> str:
+    """``from_config``'s dtype argument: ``dtype`` since transformers 4.56, ``torch_dtype``
+    before."""
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def layout_of(model: nn.Module, dtype: torch.dtype | None) -> FlatLayout:
+    """The flat layout the trainer would use for ``model`` cast to ``dtype``, or (``None``)
+    with each parameter in its own dtype (allocates nothing for a model on meta).
 
     Example::
 
         layout = layout_of(build_hf_model("gpt2"), torch.bfloat16)
+        mixed = layout_of(build_hf_model("afmoe", dtype=torch.float16), None)  # fp32 norms
     """
     return FlatParamModule(model, dtype=dtype).layout

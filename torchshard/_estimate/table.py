@@ -18,17 +18,36 @@ _OPTIMIZER_NAMES = {
 }
 
 
-def _precision(r: MemoryEstimate, short: str) -> str:
-    """Where each mode keeps what the optimizer updates, when the model is not fp32."""
-    if r.dtype == torch.float32:
+def _short(dtype: torch.dtype) -> str:
+    """``bf16`` for torch.bfloat16 (the ``--dtype`` names), else the dtype's name."""
+    return {v: k for k, v in DTYPES.items()}.get(dtype) or dtype_name(dtype)
+
+
+def _precision(r: MemoryEstimate) -> str:
+    """Where each mode keeps what the optimizer updates, when some parameters are not fp32."""
+    trains = [d for d, _, t in r.dtype_bytes if t] or list(r.dtypes)  # what has state
+    low = [_short(d) for d in trains if d != torch.float32]
+    if not low:
         return ""
     state = OPTIMIZER_STATES[r.optimizer][0] > 0
     own = [m.name for m in r.modes if not m.entry.master]
-    parts = [f"{' and '.join(own)}: state in {short}"] if state and own else []
+    which = " and ".join(map(_short, trains))
+    parts = [f"{' and '.join(own)}: state in {which}"] if state and own else []
     master = [m.name for m in r.modes if m.entry.master]
     if master:
-        parts.append(f"{' and '.join(master)}: fp32 master{' and state' if state else ''}")
+        of = f" of the {' and '.join(low)} parameters" if len(trains) > 1 else ""
+        parts.append(f"{' and '.join(master)}: fp32 master{of}{' and state' if state else ''}")
     return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _sizes(values: list[tuple[str, int]]) -> str:
+    """``"bfloat16 12.53 GiB, float32 2.06 MiB"``: each size in its own unit."""
+    units = [("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
+    out = []
+    for name, b in values:
+        unit, scale = next(((u, s) for u, s in units if b >= s), ("bytes", 1))
+        out.append(f"{name} {b:,} bytes" if scale == 1 else f"{name} {b / scale:,.2f} {unit}")
+    return ", ".join(out)
 
 
 def _trainable_line(r: MemoryEstimate) -> str:
@@ -36,14 +55,16 @@ def _trainable_line(r: MemoryEstimate) -> str:
     size = r.trainable_bytes
     unit, scale = ("GiB", 2**30) if size >= 2**30 else ("MiB", 2**20)
     how = r.trainable.describe() if not r.trainable.everything else "the rest frozen"
-    return (
-        f"trainable    {r.trainable_parameters:,} in {r.trainable_tensors} tensors "
-        f"({size / scale:,.2f} {unit} of {dtype_name(r.dtype)}): {how}"
-    )
+    if len(r.dtypes) > 1:
+        of = _sizes([(dtype_name(d), t) for d, _, t in r.dtype_bytes if t])
+    else:
+        of = f"{size / scale:,.2f} {unit} of {dtype_name(r.dtype)}"
+    return f"trainable    {r.trainable_parameters:,} in {r.trainable_tensors} tensors ({of}): {how}"
 
 
 def _unit_lines(r: MemoryEstimate, short: str, name: str) -> list[str]:
     """What the mode ``name`` gathers, and what its ``transient`` row counts."""
+    what = "bytes" if len(r.dtypes) > 1 else "elements"  # a mixed layout's positions
     gathered = [u for u in r.units if not u.kept]
     kept = [u for u in r.units if u.kept]
     parts = []
@@ -52,10 +73,10 @@ def _unit_lines(r: MemoryEstimate, short: str, name: str) -> list[str]:
         if len(gathered) > 1:
             span += f" .. {gathered[-1].name}"
         largest = max(u.numel for u in gathered)
-        parts.append(f"{len(gathered)} gathered in turn ({span}, up to {largest:,} elements)")
+        parts.append(f"{len(gathered)} gathered in turn ({span}, up to {largest:,} {what})")
     if kept:
         numel = sum(u.numel for u in kept)
-        parts.append(f"{len(kept)} kept for the step ({numel:,} elements)")
+        parts.append(f"{len(kept)} kept for the step ({numel:,} {what})")
     if r.reshard_after_forward:
         what = f"the running unit, {r.prefetch} prefetched, 2 unit gradients"
     else:
@@ -74,20 +95,25 @@ def format_estimate(r: MemoryEstimate) -> str:
         print(format_estimate(estimate_memory(layout, world_size=8)))
     """
     lines: list[str] = []
-    short = {v: k for k, v in DTYPES.items()}[r.dtype]
+    short = "+".join(map(_short, r.dtypes))  # with several, the buffers are bytes
     big = max(m.worst.total for m in r.modes) >= 2**30
     unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
     gathering = [m.name for m in r.modes if m.entry.gathers]
     lines.append(f"model        {r.model} ({r.model_class})")
-    lines.append(
-        f"parameters   {r.parameters:,} in {r.tensors} tensors; flat buffer {r.numel:,} "
-        f"elements of {dtype_name(r.dtype)}"
-    )
+    if len(r.dtypes) > 1:
+        lines.append(
+            f"parameters   {r.parameters:,} in {r.tensors} tensors: "
+            f"{_sizes(list(r.parameter_bytes.items()))}; flat buffer {r.numel:,} bytes"
+        )
+    else:
+        lines.append(
+            f"parameters   {r.parameters:,} in {r.tensors} tensors; flat buffer {r.numel:,} "
+            f"elements of {dtype_name(r.dtype)}"
+        )
     if not r.trainable.everything or r.trainable_parameters != r.parameters:
         lines.append(_trainable_line(r))
     lines.append(
-        f"training     {_OPTIMIZER_NAMES[r.optimizer]} at world size {r.world_size}"
-        f"{_precision(r, short)}"
+        f"training     {_OPTIMIZER_NAMES[r.optimizer]} at world size {r.world_size}{_precision(r)}"
     )
     for name in gathering:
         lines.extend(_unit_lines(r, short, name))
@@ -100,11 +126,12 @@ def format_estimate(r: MemoryEstimate) -> str:
     ]
     if gathering:
         rows.append((f"transient ({short})", "transient"))
-    lines.append(f"{'per rank, ' + unit:<18}" + "".join(f"{m.name:>12}" for m in r.modes))
+    w = max(18, *(len(label) for label, _ in rows))  # wider for several dtypes' labels
+    lines.append(f"{'per rank, ' + unit:<{w}}" + "".join(f"{m.name:>12}" for m in r.modes))
     for label, key in rows:
         values = [m.worst.as_dict()[key] / scale for m in r.modes]
-        lines.append(f"{label:<18}" + "".join(f"{v:>12,.2f}" for v in values))
-    lines.append(f"{'total':<18}" + "".join(f"{m.worst.total / scale:>12,.2f}" for m in r.modes))
+        lines.append(f"{label:<{w}}" + "".join(f"{v:>12,.2f}" for v in values))
+    lines.append(f"{'total':<{w}}" + "".join(f"{m.worst.total / scale:>12,.2f}" for m in r.modes))
     lines.append("")
     for m in r.modes:
         if not m.entry.memory.divided or r.world_size == 1:

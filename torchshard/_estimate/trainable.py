@@ -136,7 +136,9 @@ class Trainable:
         try:
             with warnings.catch_warnings():  # deprecations, fan_in_fan_out: noise on meta
                 warnings.simplefilter("ignore")
-                return get_peft_model(model, config)
+                # the adapters in their base layer's dtype, as the model's dtype casts them
+                # (PEFT's default would keep them in fp32 beside a bf16 base)
+                return get_peft_model(model, config, autocast_adapter_dtype=False)
         except Exception as e:
             kinds = sorted(
                 {

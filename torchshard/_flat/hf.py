@@ -7,6 +7,7 @@ never imports transformers (an optional dependency, the ``hf`` extra).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
@@ -16,8 +17,11 @@ from .._log import get_logger
 
 __all__ = [
     "clear_init_flags",
+    "fp32_patterns",
     "init_transformers_model",
     "is_transformers_model",
+    "keep_in_fp32",
+    "model_dtype",
     "restore_declared_ties",
     "transformers_config",
 ]
@@ -97,6 +101,94 @@ def _get(model: nn.Module, name: str) -> torch.Tensor | None:
     return owner._parameters.get(attr)
 
 
+def model_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype most of ``model``'s floating point parameter elements have (the dtype it
+    was built or loaded in, beside what it keeps in fp32); ``None`` without any.
+
+    Example::
+
+        model_dtype(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))  # bf16
+    """
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.dtype.is_floating_point:
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.__getitem__) if counts else None
+
+
+def _names(declared: Any) -> list[str]:
+    """A ``_keep_in_fp32_modules`` declaration as a list (``None`` or anything else: none)."""
+    return [str(n) for n in declared] if isinstance(declared, (list, tuple, set)) else []
+
+
+def fp32_patterns(model: nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
+    """The name patterns of what transformers keeps in fp32 when it loads ``model`` (a
+    transformers model) in ``dtype``: ``from_pretrained``'s dtype plan. transformers 5:
+    ``_keep_in_fp32_modules_strict`` for fp16 and bf16, ``_keep_in_fp32_modules`` for fp16
+    only; the model's own ``_get_dtype_plan`` when it has one.
+
+    Example::
+
+        fp32_patterns(model, torch.bfloat16)   # ("e_score_correction_bias", "gate.weight")
+    """
+    plan = getattr(model, "_get_dtype_plan", None)
+    if callable(plan):
+        try:
+            return tuple(str(k) for k, v in plan(dtype).items() if v == torch.float32)
+        except Exception as e:  # a transformers whose private helper changed: the rule below
+            logger.debug("%s._get_dtype_plan(%s) failed: %s", type(model).__name__, dtype, e)
+    out = []
+    if dtype in (torch.float16, torch.bfloat16):
+        out += _names(getattr(model, "_keep_in_fp32_modules_strict", None))
+    if dtype == torch.float16:
+        out += _names(getattr(model, "_keep_in_fp32_modules", None))
+    return tuple(dict.fromkeys(out))
+
+
+def keep_in_fp32(module: nn.Module) -> list[str]:
+    """Cast to fp32 the parameters on meta that transformers would keep in fp32: for each
+    (outermost) transformers model in ``module``, those whose names match its
+    :func:`fp32_patterns` at its :func:`model_dtype`. Returns their names in ``module``.
+
+    ``from_pretrained(path, dtype=...)`` applies that plan as it loads; ``from_config`` (the
+    way to build on meta) does not, so a model built on meta would otherwise hold those
+    parameters in the lower precision, and its layout would differ from that of the same
+    model loaded with ``from_pretrained`` (on rank 0, say). Parameters with values are left
+    as they are (``from_pretrained`` already applied the plan to them); on meta there are no
+    values, so this only decides the dtype they will be allocated in. Names match as in
+    transformers: each pattern, ``*`` a wildcard, searched for (``re.search``) in the name.
+
+    Example::
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+        keep_in_fp32(model)   # e.g. ["model.norm.weight", ...] for _keep_in_fp32_modules
+    """
+    cast: list[str] = []
+    seen: list[str] = []
+    for prefix, m in module.named_modules():
+        if not is_transformers_model(m) or any(_under(prefix, s) for s in seen):
+            continue
+        seen.append(prefix)
+        dtype = model_dtype(m)
+        patterns = fp32_patterns(m, dtype) if dtype not in (None, torch.float32) else ()
+        if not patterns:
+            continue
+        found = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in patterns))
+        for name, p in m.named_parameters():
+            if p.is_meta and p.dtype != torch.float32 and found.search(name):
+                p.data = p.data.to(torch.float32)  # the same Parameter: ties stay
+                cast.append(f"{prefix}.{name}" if prefix else name)
+    if cast:
+        shown = ", ".join(cast[:4]) + (f" and {len(cast) - 4} more" if len(cast) > 4 else "")
+        logger.info("kept in fp32 as transformers loads them: %s", shown)
+    return cast
+
+
+def _under(name: str, prefix: str) -> bool:
+    return not prefix or name == prefix or name.startswith(prefix + ".")
+
+
 def clear_init_flags(model: nn.Module) -> None:
     """Forget transformers' "already initialized" marks, so its initializers write every tensor."""
     for m in model.modules():
@@ -148,9 +240,20 @@ def init_peft_adapters(model: nn.Module) -> int:
 
 
 def transformers_config(model: nn.Module, dtype: torch.dtype) -> dict[str, Any] | None:
-    """The model's config as ``save_pretrained`` writes it (``config.json``), or ``None``."""
+    """The model's config as ``save_pretrained`` writes it (``config.json``), or ``None``.
+
+    ``dtype`` is the weights' (written as the config's ``dtype``); a mixed layout's buffer
+    dtype (bytes) stands for the model's own: :func:`model_dtype`, what fp32 modules aside
+    it was built in, which ``from_pretrained`` then loads it in.
+
+    Example::
+
+        transformers_config(fm.module, fm.dtype)["architectures"]   # ["LlamaForCausalLM"]
+    """
     if not is_transformers_model(model):
         return None
+    if not (dtype.is_floating_point or dtype.is_complex):
+        dtype = model_dtype(model) or torch.float32
     config = model.config
     to_dict = getattr(config, "to_dict", None)
     if not callable(to_dict):

@@ -17,7 +17,7 @@ from functools import cached_property
 import torch
 from torch import nn
 
-from .._errors import LayoutError, and_more
+from .._errors import LayoutError
 
 __all__ = ["BYTES", "FlatLayout", "ParamSlot", "Region", "dtype_from_name", "dtype_name"]
 
@@ -88,8 +88,7 @@ class ParamSlot:
             slot.view(fm.flat_param).dtype == slot.torch_dtype
         """
         piece = buffer[self.offset - base : self.end - base]
-        dtype = self.torch_dtype
-        return (piece if piece.dtype == dtype else piece.view(dtype)).view(self.shape)
+        return _typed(piece, self.torch_dtype).view(self.shape)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -113,8 +112,7 @@ class Region:
 
     def view(self, buffer: torch.Tensor, base: int = 0) -> torch.Tensor:
         """The region of ``buffer`` (which starts at position ``base``), typed."""
-        piece = buffer[self.start - base : self.end - base]
-        return piece if piece.dtype == self.dtype else piece.view(self.dtype)
+        return _typed(buffer[self.start - base : self.end - base], self.dtype)
 
 
 @dataclass(frozen=True)
@@ -256,11 +254,22 @@ class FlatLayout:
             return ()
         cuts = [0] + [i for i in range(1, len(slots)) if slots[i].dtype != slots[i - 1].dtype]
         bounds = [0 if k == 0 else self.slots[i].offset for k, i in enumerate(cuts)] + [self.numel]
-        his = cuts[1:] + [len(self.slots)]
+        his = [*cuts[1:], len(self.slots)]
         return tuple(
             Region(self.slots[lo].torch_dtype, bounds[k], bounds[k + 1], lo, hi)
             for k, (lo, hi) in enumerate(zip(cuts, his))
         )
+
+    def typed(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """``buffer`` (a flat buffer of this layout) as typed tensors: one per region of a
+        mixed layout, else ``[buffer]`` itself (padding past ``numel`` included).
+
+        Example::
+
+            for t in fm.layout.typed(fm.flat_param):
+                t.mul_(0.5)   # arithmetic on every parameter, each in its own dtype
+        """
+        return [r.view(buffer) for r in self.regions] if self.mixed else [buffer]
 
     def region_of(self, position: int) -> Region:
         """The region holding buffer position ``position``."""
@@ -373,8 +382,15 @@ class FlatLayout:
             "align_bytes": self.align_bytes,
             "numel": self.numel,
             "slots": [
-                [s.name, list(s.shape), s.offset, s.numel, s.requires_grad, list(s.aliases)]
-                + own(s)
+                [
+                    s.name,
+                    list(s.shape),
+                    s.offset,
+                    s.numel,
+                    s.requires_grad,
+                    list(s.aliases),
+                    *own(s),
+                ]
                 for s in self.slots
             ],
         }
@@ -457,6 +473,12 @@ def _describe(s: ParamSlot) -> str:
     tied = f", tied to {list(s.aliases)}" if s.aliases else ""
     frozen = "" if s.requires_grad else ", frozen"
     return f"{s.dtype}, shape {list(s.shape)} at offset {s.offset}{frozen}{tied}"
+
+
+def _typed(piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A piece of a byte buffer seen as ``dtype``; any other buffer as it is (its values,
+    whatever their dtype: e.g. a gradient kept in the reduce dtype)."""
+    return piece.view(dtype) if piece.dtype == torch.uint8 else piece
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -17,6 +17,7 @@ from .hf import (
     init_peft_adapters,
     init_transformers_model,
     is_transformers_model,
+    keep_in_fp32,
     restore_declared_ties,
 )
 from .layout import FlatLayout, ParamSlot
@@ -80,6 +81,9 @@ class FlatParamModule(nn.Module):
         if is_transformers_model(module):
             # accelerate.init_empty_weights() unties e.g. lm_head.weight from the embedding.
             restore_declared_ties(module)
+        if dtype is None:
+            # what transformers keeps in fp32 as it loads (from_config on meta does not)
+            keep_in_fp32(module)
         self.module = module
         self.layout: FlatLayout = FlatLayout.from_module(
             module, dtype=dtype, align_bytes=align_bytes

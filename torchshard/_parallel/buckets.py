@@ -8,6 +8,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import torch
+
 from .._flat.layout import FlatLayout
 
 __all__ = ["Bucket", "plan_buckets"]
@@ -18,7 +20,8 @@ class Bucket:
     """``[start, end)`` of the flat gradient, holding the slots ``slots`` (indices into the layout).
 
     ``trainable`` counts the slots that receive gradients; a bucket with none is
-    never communicated.
+    never communicated. ``dtype``: the bucket's gradients' dtype in a mixed layout, whose
+    buffer is bytes (a bucket never spans two regions); ``None``: the buffer's.
     """
 
     index: int
@@ -26,6 +29,12 @@ class Bucket:
     end: int
     slots: tuple[int, ...]
     trainable: int
+    dtype: torch.dtype | None = None
+
+    def view(self, grad: torch.Tensor) -> torch.Tensor:
+        """The bucket's range of the flat gradient ``grad``, typed."""
+        piece = grad[self.start : self.end]
+        return piece if self.dtype is None else piece.view(self.dtype)
 
     @property
     def numel(self) -> int:
@@ -59,7 +68,7 @@ def plan_buckets(
     groups: list[list[int]] = []
     size = 0
     for i in reversed(range(len(layout.slots))):
-        nbytes = layout.slots[i].numel * itemsize
+        nbytes = layout.slots[i].span * itemsize
         if groups and size + nbytes <= bucket_bytes:
             groups[-1].append(i)
             size += nbytes
@@ -68,10 +77,14 @@ def plan_buckets(
             size = nbytes
     bounds = {0, total, *(c for c in cuts if 0 < c < total)}
     bounds |= {layout.slots[g[-1]].offset for g in groups[:-1]}
+    mixed = layout.mixed
+    if mixed:  # one dtype per bucket: each is reduced as one typed tensor
+        bounds |= {r.start for r in layout.regions}
     edges = sorted(bounds, reverse=True)
     buckets = []
     for end, start in itertools.pairwise(edges):
         slots = tuple(i for i, s in enumerate(layout.slots) if s.offset < end and s.end > start)
         trainable = sum(layout.slots[i].requires_grad for i in slots)
-        buckets.append(Bucket(len(buckets), start, end, slots, trainable))
+        dtype = layout.region_of(min(start, layout.numel - 1)).dtype if mixed and slots else None
+        buckets.append(Bucket(len(buckets), start, end, slots, trainable, dtype))
     return tuple(buckets)

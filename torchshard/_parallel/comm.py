@@ -95,14 +95,15 @@ class ReduceSpec:
     def of(
         cls,
         world_size: int,
-        dtype: torch.dtype,
+        dtype: torch.dtype | tuple[torch.dtype, ...],
         native: dist.ReduceOp.RedOpType | None,
         *,
         prefer_pre: bool,
         wire: torch.dtype | None = None,
     ) -> ReduceSpec:
-        """The spec for a group of ``world_size`` and buffers of ``dtype``, reduced in
-        ``wire`` (e.g. fp32 for bf16 gradients; ``None`` or ``dtype``: in ``dtype``).
+        """The spec for a group of ``world_size`` and gradients of ``dtype`` (or of each of
+        several), reduced in ``wire`` (e.g. fp32 for bf16 gradients; ``None`` or ``dtype``:
+        in their own).
 
         ``native`` is the backend's averaging op (``ReduceOp.AVG`` on NCCL, else ``None``):
         then no scaling pass at all. Otherwise float16 scales before (it tops out at 65504:
@@ -113,12 +114,14 @@ class ReduceSpec:
 
             ReduceSpec.of(2, torch.bfloat16, None, prefer_pre=False).post   # 2.0
         """
-        wire = None if wire == dtype else wire
+        dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+        wire = None if all(d == wire for d in dtypes) else wire
         if world_size == 1:
             return cls(dist.ReduceOp.SUM)
         if native is not None:
             return cls(native, wire)
-        if (wire or dtype) == torch.float16 or prefer_pre:
+        fp16 = wire == torch.float16 if wire is not None else torch.float16 in dtypes
+        if fp16 or prefer_pre:
             return cls(dist.ReduceOp.SUM, wire, pre=1.0 / world_size)
         return cls(dist.ReduceOp.SUM, wire, post=float(world_size))
 

@@ -11,7 +11,8 @@ which model each mode uses; the geometry (padding, ranges) comes from ``Geometry
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,7 +20,7 @@ import torch
 
 from .._errors import TorchShardError
 from .._flat.geometry import Geometry, sliced_numel
-from .._flat.layout import FlatLayout
+from .._flat.layout import FlatLayout, ParamSlot
 from .units import Unit, unit_geometry
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "Whole",
     "transient_bytes",
     "transient_of_sizes",
+    "typed",
 ]
 
 # Elementwise state tensors per parameter element, and scalar tensors per parameter.
@@ -104,7 +106,8 @@ class Request:
     reshard_after_forward: bool = True
 
     def state_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype the optimizer's state is kept in for a buffer of ``dtype`` (sharded modes)."""
+        """The dtype the optimizer's state is kept in for parameters of ``dtype`` in the
+        sharded modes: ``master_dtype``, in their own or in a master copy."""
         return self.master_dtype if dtype != self.master_dtype else dtype
 
 
@@ -177,50 +180,112 @@ class MemoryModel(Protocol):
         ...
 
 
+def typed(
+    layout: FlatLayout, a: int, b: int, end: int | None = None
+) -> list[tuple[torch.dtype, int]]:
+    """Buffer positions ``[a, b)`` of ``layout`` as ``(dtype, elements)``, a pair per region
+    they cross; positions from ``end`` (default ``layout.numel``) on are padding, counted in
+    the dtype before it (a gap belongs to the run before it). Every parameter of the
+    layout's dtype: one pair, ``b - a`` elements.
+
+    Example::
+
+        typed(layout, 0, layout.numel)   # [(torch.bfloat16, 2048), (torch.float32, 64), ...]
+    """
+    return _Typed(layout)(a, b, end)
+
+
+class _Typed:
+    """:func:`typed` for many ranges of one layout: each in O(log regions + regions crossed)."""
+
+    def __init__(self, layout: FlatLayout) -> None:
+        self.layout = layout
+        self.regions = layout.regions if layout.mixed else ()
+        self.starts = [r.start for r in self.regions]
+
+    def __call__(self, a: int, b: int, end: int | None = None) -> list[tuple[torch.dtype, int]]:
+        if b <= a:
+            return []
+        if not self.regions:
+            return [(self.layout.torch_dtype, b - a)]
+        stop = self.layout.numel if end is None else end
+        out = []
+        for r in self.regions[max(0, bisect.bisect_right(self.starts, a) - 1) :]:
+            if r.start >= min(b, stop):
+                break
+            n = min(r.end, b, stop) - max(r.start, a)
+            if n > 0:
+                out.append((r.dtype, n // r.dtype.itemsize))
+        if b > stop:  # padding: the dtype at stop - 1
+            d = self.regions[bisect.bisect_right(self.starts, stop - 1) - 1].dtype
+            out.append((d, (b - max(a, stop)) // d.itemsize))
+        return out
+
+
+def _part(s: ParamSlot, a: int, b: int) -> int:
+    """Elements of ``s`` at buffer positions ``[a, b)``."""
+    return max(0, min(s.end, b) - max(s.offset, a)) // s.width
+
+
 def _flat_plan(layout: FlatLayout, world_size: int, req: Request, sliced: bool) -> list[RankMemory]:
     """One flat buffer on every rank, and a gradient for the trainable parameters alone
-    (``layout.grad_layout``); the state of every trainable element, or (``sliced``) of the
-    rank's padded slice of the gradient space with its master copy (and, when some
-    parameters are frozen, a copy of the trainable weights laid out like the gradient)."""
+    (``layout.grad_layout``); the state of every trainable element, in its dtype, or
+    (``sliced``) of the rank's padded slice of the gradient space, with a master copy and its
+    gradient for the slice's elements not in ``master_dtype`` (and, when some parameters are
+    frozen, a copy of the trainable weights laid out like the gradient)."""
     per_element, scalars = OPTIMIZER_STATES[req.optimizer]
-    dtype = layout.torch_dtype
+    itemsize = layout.torch_dtype.itemsize  # a mixed layout's positions are bytes
     grads = layout.grad_layout
     flat = sliced_numel(layout, world_size) if sliced else Geometry.of(layout, 1, pad=False).total
-    flat_bytes = flat * dtype.itemsize
     space = Geometry.of(grads, world_size, pad=sliced)
-    grad_bytes = space.total * dtype.itemsize if grads.slots else 0
-    master = sliced and dtype != req.master_dtype
-    state_item = req.master_dtype.itemsize if master else dtype.itemsize
+    grad_bytes = space.total * itemsize if grads.slots else 0
     # the trainable weights' copy, unless they are the buffer's own (none frozen, or all
     # frozen ones first: sliced in place)
     in_place = grads is layout or layout.trainable_suffix is not None
     copy = grad_bytes if sliced and not in_place else 0
+    # the state's bytes per element of dtype d: in master_dtype (sliced), else in d
+    item = (lambda d: req.state_dtype(d).itemsize) if sliced else (lambda d: d.itemsize)
+    of = _Typed(grads)
     out = []
     for rank, (a, b) in enumerate(space.ranges()):
-        if sliced:
-            parts = [min(s.end, b) - max(s.offset, a) for s in grads]
-            parts = [p for p in parts if p > 0]
-            slice_master = 2 * (b - a) * req.master_dtype.itemsize if master else 0
-        else:
-            parts = [s.numel for s in grads]
-            slice_master = 0
-        opt = per_element * sum(parts) * state_item + scalars * 4 * len(parts)
-        out.append(RankMemory(rank, flat_bytes, grad_bytes, opt, slice_master + copy))
+        parts = [(s, _part(s, a, b) if sliced else s.numel) for s in grads]
+        parts = [(s, n) for s, n in parts if n > 0]
+        state = sum(n * item(s.torch_dtype) for s, n in parts)
+        opt = per_element * state + scalars * 4 * len(parts)
+        master = _master_bytes(req, of(a, b), layout.mixed) if sliced else 0
+        out.append(RankMemory(rank, flat * itemsize, grad_bytes, opt, master + copy))
     return out
 
 
+def _master_bytes(req: Request, elements: list[tuple[torch.dtype, int]], mixed: bool) -> int:
+    """A master copy and its gradient (``master_dtype``) of the elements not in that dtype;
+    of every element in a ``mixed`` layout, whose rank part one master holds whole (the
+    sharded modes keep its few fp32 norms and routers there too)."""
+    master = req.master_dtype
+    return sum(2 * k * master.itemsize for d, k in elements if mixed or d != master)
+
+
 def _bracket(
-    layout: FlatLayout, req: Request, fixed: int, size: int, n: int, grad_item: int = 0
+    layout: FlatLayout,
+    req: Request,
+    n: int,
+    fixed: int,
+    varying: tuple[int, int, Callable[[torch.dtype], int]],
 ) -> tuple[int, int]:
-    """``fixed`` plus the state (and, ``grad_item`` bytes each, the gradients) of the average
-    rank's trainable elements (below) or of a whole slice of ``size`` elements with a scalar
-    for every parameter (above): the worst rank lies between."""
-    per_element, scalars = OPTIMIZER_STATES[req.optimizer]
-    per = per_element * req.state_dtype(layout.torch_dtype).itemsize + grad_item
-    trainable = [s.numel for s in layout if s.requires_grad]
-    low = fixed + -(-per * sum(trainable) // n)
-    high = fixed + per * size + scalars * 4 * len(trainable)
-    return low, high
+    """``fixed`` (on each of the ``n`` ranks) plus what varies by rank, ``varying = (total,
+    size, rate)``: its ``total`` over the ranks averaged (below), or ``size`` buffer
+    positions all of the dtype costing the most, ``rate(d)`` bytes per element of ``d``, and
+    a scalar for every trainable parameter (above): the worst rank lies between."""
+    _, scalars = OPTIMIZER_STATES[req.optimizer]
+    total, size, rate = varying
+    width = (lambda d: d.itemsize) if layout.mixed else (lambda d: 1)
+    most = max(-(-size * rate(d) // width(d)) for d in layout.grad_layout.dtypes or layout.dtypes)
+    return fixed + -(-total // n), fixed + most + scalars * 4 * len(layout.trainable)
+
+
+def _trainable_bytes(layout: FlatLayout, item: Callable[[torch.dtype], int]) -> int:
+    """``item(d)`` bytes for every trainable element of dtype ``d``."""
+    return sum(s.numel * item(s.torch_dtype) for s in layout.grad_layout)
 
 
 class Whole:
@@ -243,8 +308,8 @@ class Whole:
 
 class Slices:
     """The whole buffer and the trainable parameters' gradient on every rank; optimizer
-    state (and its master copy in ``master_dtype``) for the rank's slice of the gradient
-    space padded to equal slices."""
+    state (and a master copy in ``master_dtype`` of what is not in it) for the rank's slice
+    of the gradient space padded to equal slices."""
 
     divided = True
     floor_note = "the full parameters and gradients, which every rank holds, take"
@@ -253,15 +318,22 @@ class Slices:
         return _flat_plan(layout, world_size, req, sliced=True)
 
     def bounds(self, layout: FlatLayout, world_size: int, req: Request) -> tuple[int, int]:
-        dtype = layout.torch_dtype
+        itemsize = layout.torch_dtype.itemsize
         grads = layout.grad_layout
         padded = Geometry.of(grads, world_size, pad=True).total
-        size = padded // world_size  # every slice has this length
-        fixed = sliced_numel(layout, world_size) * dtype.itemsize
+        fixed = sliced_numel(layout, world_size) * itemsize
         in_place = grads is layout or layout.trainable_suffix is not None
-        fixed += (1 if in_place else 2) * padded * dtype.itemsize if grads.slots else 0
-        fixed += 2 * size * req.master_dtype.itemsize if dtype != req.master_dtype else 0
-        return _bracket(layout, req, fixed, size, world_size)
+        fixed += (1 if in_place else 2) * padded * itemsize if grads.slots else 0
+        # the state and the master copy vary by rank
+        per_element, _ = OPTIMIZER_STATES[req.optimizer]
+        state = lambda d: per_element * req.state_dtype(d).itemsize  # noqa: E731
+        master = lambda d: _master_bytes(req, [(d, 1)], layout.mixed)  # noqa: E731
+        total = _trainable_bytes(layout, state)
+        total += _master_bytes(req, typed(grads, 0, padded), layout.mixed)
+        size = padded // world_size  # every slice has this length
+        return _bracket(
+            layout, req, world_size, fixed, (total, size, lambda d: state(d) + master(d))
+        )
 
     def floor(self, layout: FlatLayout, req: Request) -> int:
         # padding only adds; the parameters and the trainable ones' gradients
@@ -269,8 +341,9 @@ class Slices:
 
 
 class Stripes:
-    """The rank's stripe of every unit and its gradient (in ``master_dtype`` when the model's
-    dtype differs), their optimizer state, and the unit buffers gathered during a step."""
+    """The rank's stripe of every unit and its gradient (a master copy in ``master_dtype``
+    of what is not in it), their optimizer state, and the unit buffers gathered during a
+    step."""
 
     divided = True
     floor_note = "the unit buffers alone take"
@@ -278,41 +351,55 @@ class Stripes:
     def plan(self, layout: FlatLayout, world_size: int, req: Request) -> list[RankMemory]:
         _check_units(layout, req.units)
         per_element, scalars = OPTIMIZER_STATES[req.optimizer]
-        dtype = layout.torch_dtype
-        shard_dtype = req.state_dtype(dtype)
         geoms = [unit_geometry(u, world_size, layout.align) for u in req.units]
-        stripe = sum(g.per_rank for g in geoms) * shard_dtype.itemsize
-        own = shard_dtype == dtype
         transient = self._transient(layout, req, [g.total for g in geoms])
-        slots = layout.slots
+        every = layout.grad_layout is layout
+        of = _Typed(layout)
         out = []
         for rank in range(world_size):
-            elements = pieces = 0
+            stripes: list[tuple[torch.dtype, int]] = []  # (dtype, elements) of the stripes
+            parts: list[tuple[torch.dtype, int]] = []  # of the trainable pieces
             for u, g in zip(req.units, geoms):
                 a, b = g.range(rank)
-                a, b = min(a, u.end), min(b, u.end)
-                for s in slots[u.lo : u.hi]:
-                    n = min(s.end, b) - max(s.offset, a)
-                    if s.requires_grad and n > 0:
-                        elements += n
-                        pieces += 1
-            opt = per_element * elements * shard_dtype.itemsize + scalars * 4 * pieces
+                stripes += of(a, b, end=u.end)
+                for s in layout.slots[u.lo : u.hi]:
+                    n = _part(s, a, b) if s.requires_grad else 0
+                    if n > 0:
+                        parts.append((s.torch_dtype, n))
+            own, master = self._split(req, stripes, layout.mixed)
             # with frozen parameters, gradients for the trainable parts of the stripes only
-            grads = elements * shard_dtype.itemsize if layout.grad_layout is not layout else stripe
-            held = (stripe, grads) if own else (0, 0)
-            out.append(RankMemory(rank, *held, opt, 0 if own else stripe + grads, transient))
+            g_own, g_master = (own, master) if every else self._split(req, parts, layout.mixed)
+            state = sum(k * req.state_dtype(d).itemsize for d, k in parts)
+            opt = per_element * state + scalars * 4 * len(parts)
+            out.append(RankMemory(rank, own, g_own, opt, master + g_master, transient))
         return out
+
+    @staticmethod
+    def _split(
+        req: Request, elements: list[tuple[torch.dtype, int]], mixed: bool
+    ) -> tuple[int, int]:
+        """Bytes of ``(dtype, elements)`` held in ``master_dtype``: in their own dtype (that
+        one), and as a master copy (any other; every one in a ``mixed`` layout, whose stripes
+        are masters whole)."""
+        held = [k * req.master_dtype.itemsize for d, k in elements]
+        own = sum(n for n, (d, _) in zip(held, elements) if d == req.master_dtype and not mixed)
+        return own, sum(held) - own
 
     def bounds(self, layout: FlatLayout, world_size: int, req: Request) -> tuple[int, int]:
         _check_units(layout, req.units)
         geoms = [unit_geometry(u, world_size, layout.align) for u in req.units]
         size = sum(g.per_rank for g in geoms)  # the rank's stripes
-        state_item = req.state_dtype(layout.torch_dtype).itemsize
-        fixed = size * state_item + self._transient(layout, req, [g.total for g in geoms])
-        if layout.grad_layout is layout:  # gradients for the whole stripes
-            return _bracket(layout, req, fixed + size * state_item, size, world_size)
-        # gradients for the stripes' trainable parts only
-        return _bracket(layout, req, fixed, size, world_size, grad_item=state_item)
+        per_element, _ = OPTIMIZER_STATES[req.optimizer]
+        item = lambda d: req.state_dtype(d).itemsize  # noqa: E731
+        of = _Typed(layout)
+        stripes = [of(g.start, g.start + g.total, u.end) for u, g in zip(req.units, geoms)]
+        held = sum(k * item(d) for one in stripes for d, k in one)
+        # the stripes, their gradients (whole, or their trainable parts) and the state vary
+        grads = held if layout.grad_layout is layout else _trainable_bytes(layout, item)
+        total = held + grads + per_element * _trainable_bytes(layout, item)
+        fixed = self._transient(layout, req, [g.total for g in geoms])
+        rate = lambda d: (2 + per_element) * item(d)  # noqa: E731
+        return _bracket(layout, req, world_size, fixed, (total, size, rate))
 
     def floor(self, layout: FlatLayout, req: Request) -> int:
         return self._transient(layout, req, [u.numel for u in req.units])  # unpadded

@@ -85,6 +85,13 @@ def plan_memory(
     stripe; ``transient`` the unit buffers. With AdamW, bf16 and an fp32 master that
     is ``16 * S`` bytes, about 16 bytes per parameter over the world size.
 
+    Parameters of several dtypes (``layout.mixed``: the buffers are bytes) count by
+    dtype region (:attr:`FlatLayout.regions`): parameter and gradient bytes as they lie in
+    the buffers; replicated, the state of each element in its own dtype; sharded and
+    fully sharded, the state in ``master_dtype`` and a master copy (and its gradient) of the
+    elements not already in it only (fp32 norms in a bf16 model need none); padding counts
+    in the dtype of the region it follows.
+
     Example::
 
         with torch.device("meta"):
@@ -111,10 +118,11 @@ def bounds(
     """``(low, high)`` around the worst rank's total of :func:`plan_memory` (same
     arguments), in O(units) instead of O(ranks x parameters).
 
-    Both hold everything but the optimizer state exactly; ``low`` adds the state of the
-    average rank, ``high`` a whole slice's (or stripes') state and a scalar for every
-    parameter. The estimator brackets each world size with them and plans exactly only
-    where the budget falls between.
+    Both hold everything but the optimizer state exactly (with parameters of several
+    dtypes, also but the masters and the stripes, whose dtypes differ by rank); ``low`` adds
+    the average rank's, ``high`` a whole slice's (or stripes') at the costliest dtype and a
+    scalar for every parameter. The estimator brackets each world size with them and plans
+    exactly only where the budget falls between.
 
     Example::
 

@@ -60,17 +60,23 @@ def clip_grad_norm(
 
         total = clip_grad_norm(mode, ctx, 1.0, 2.0, False)
     """
-    grad = mode.local_grad(ctx)
-    if grad is None:
+    grads = mode.local_grads(ctx)
+    if not grads:
         return torch.zeros((), device=ctx.device)
-    total = mode.norm(ctx, grad, float(norm_type))
+    total = mode.norm(ctx, grads, float(norm_type))
     if error_if_nonfinite and not torch.isfinite(total):
         raise TorchShardError(
             f"the total gradient norm is {total.item()}; set error_if_nonfinite=False to clip anyway"
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    grad.mul_(coef.to(grad.dtype))
+    for grad in grads:
+        grad.mul_(coef.to(grad.dtype))
     return total
+
+
+def _norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    low = grad.dtype in (torch.bfloat16, torch.float16)  # accumulate those in fp32
+    return torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32 if low else None)
 
 
 class Mode:
@@ -106,12 +112,14 @@ class Mode:
     comm_type: type[BucketComm] = AllReduce
     """How a bucket travels (built over the mesh by :meth:`make_comm`)."""
     _fresh: bool = True  # prepare(): the module was not bound yet, the gradient gets mask room
+    # (and is not bytes)
     _grad_store: torch.Tensor | None = None  # adopt(): [mask room | flat gradient], if any
 
     # -- where the weights live (Storage): one flat buffer ------------------------------------
     def prepare(self, fm: FlatParamModule) -> None:
         """Plan from the module alone, before the ranks compare models (fingerprint)."""
-        self._fresh = not fm.is_bound
+        # a mixed layout's gradient is bytes: the used-parameter mask travels on its own
+        self._fresh = not fm.is_bound and not fm.layout.mixed
 
     def fingerprint(self) -> str:
         """Compared across ranks before binding: ranks must agree on the buffers' shape (a
@@ -185,7 +193,8 @@ class Mode:
     # -- what the optimizer updates (UpdateShard) ----------------------------------------------
     def finish(self, ctx: Context) -> None:
         """After every bucket's reduction completed: make the gradient the mean."""
-        ctx.spec.scale_after(ctx.grad)
+        for grad in ctx.fm.layout.grad_layout.typed(ctx.grad):
+            ctx.spec.scale_after(grad)
 
     def optimizer_tensors(self, ctx: Context) -> list[Segment]:
         """What the optimizer updates, one entry per trainable slot (or piece of one)."""
@@ -199,11 +208,21 @@ class Mode:
         """The gradient ``clip_grad_norm_`` measures and scales on this rank."""
         return ctx.fm.flat_grad
 
-    def norm(self, ctx: Context, grad: torch.Tensor, norm_type: float) -> torch.Tensor:
-        """The total ``norm_type`` norm of the gradient, from this rank's ``grad``
-        (:meth:`local_grad`): summed over the ranks when each holds a part (``sharded``)."""
-        low = grad.dtype in (torch.bfloat16, torch.float16)  # accumulate those in fp32
-        local = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32 if low else None)
+    def local_grads(self, ctx: Context) -> list[torch.Tensor]:
+        """:meth:`local_grad` as typed tensors: one per dtype region of a mixed layout's
+        gradient, else the one tensor (none when nothing trains)."""
+        grad = self.local_grad(ctx)
+        if grad is None:
+            return []
+        return ctx.fm.layout.grad_layout.typed(grad)
+
+    def norm(self, ctx: Context, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+        """The total ``norm_type`` norm of the gradient, from this rank's ``grads``
+        (:meth:`local_grads`): summed over the ranks when each holds a part (``sharded``)."""
+        local = _norm(grads[0], norm_type)
+        if len(grads) > 1:  # typed pieces: combined in fp32 as one vector's norm would be
+            norms = torch.stack([local.float(), *(_norm(g, norm_type).float() for g in grads[1:])])
+            local = torch.linalg.vector_norm(norms, norm_type)
         return summed_norm(local, norm_type, ctx.mesh) if self.sharded else local
 
     def after_step(self, ctx: Context) -> None:
@@ -253,7 +272,7 @@ def wire_gradients(
                                             25 * 2**20, native_mean(group, device))
     """
     spec = ReduceSpec.of(
-        mesh.size, fm.dtype, native, prefer_pre=mode.divides_first, wire=reduce_dtype
+        mesh.size, fm.dtypes, native, prefer_pre=mode.divides_first, wire=reduce_dtype
     )
     trainable = fm.layout.trainable
     # gradients, buckets and the optimizer's part live in the trainable slots' space

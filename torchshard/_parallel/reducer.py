@@ -120,7 +120,7 @@ class BucketReducer:
                 if s is not None and ctx.params[i].grad is None:
                     grad[s.offset : s.end].zero_()
         if ctx.world_size > 1:
-            view = grad[bucket.start : bucket.end]
+            view = bucket.view(grad)
             self.stats.bytes_reduced += view.numel() * view.element_size()
             if self._store is not None and bucket.start == 0:
                 view = self._with_mask(bucket)
@@ -173,7 +173,7 @@ class BucketReducer:
             p = ctx.params[i]
             if globally_used[i] and p.grad is None:
                 s = self.in_grad[i]
-                p.grad = ctx.grad[s.offset : s.end].view(s.shape)
+                p.grad = s.view(ctx.grad)
         self.update.attach_grads(ctx, globally_used)
         self.stats.steps += 1
         self.stats.launched_during_backward = self.launched_in_backward

@@ -24,6 +24,7 @@ __all__ = [
     "all_reduce_flat",
     "assert_in_sync",
     "bind_buffers",
+    "check_master_dtype",
     "check_reduce_dtype",
     "check_requires_grad",
     "check_same_model",
@@ -266,6 +267,26 @@ def check_requires_grad(layout: FlatLayout, params: tuple[torch.nn.Parameter, ..
             f"parameters {and_more(changed)}: requires_grad changed after FlatParamModule(model) "
             "laid them out (gradients exist for the parameters that trained then); set "
             "requires_grad before wrapping"
+        )
+
+
+def check_master_dtype(layout: FlatLayout, master_dtype: torch.dtype) -> None:
+    """Raise :class:`TorchShardError` when one ``master_dtype`` master of a layout of several
+    dtypes would round some trainable parameters (fp32 norms under a bf16 master).
+
+    Example::
+
+        check_master_dtype(fm.layout, torch.float32)   # the default: nothing to say
+    """
+    if not layout.mixed:
+        return
+    wider = [d for d in layout.grad_layout.dtypes if d.itemsize > master_dtype.itemsize]
+    if wider:
+        names = [s.name for s in layout.grad_layout if s.torch_dtype in wider]
+        raise TorchShardError(
+            f"master_dtype: {master_dtype} would round the {wider[0]} parameters "
+            f"{and_more(names)} at every step (one master holds every trainable element of "
+            "a model of several dtypes); use master_dtype=torch.float32"
         )
 
 

@@ -4,20 +4,29 @@ Each rank owns one contiguous, equal slice of the padded gradient space (the tra
 parameters, ``layout.grad_layout``; the flat buffer itself when every parameter trains).
 A bucket never crosses a slice boundary, and is reduced to its slice's owner during
 backward; the optimizer updates the pieces of the rank's slice (in an fp32 master copy
-when the buffer is lower precision); after its step every rank's slice is all-gathered.
-Frozen parameters are broadcast once and never reduced, updated or gathered.
+when the buffer is lower precision, or holds several dtypes); after its step every rank's
+slice is all-gathered. Frozen parameters are broadcast once and never reduced, updated or
+gathered.
+
+With parameters of several dtypes the gradient space is bytes: the rank's slice is cut into
+typed parts where the dtype changes, and one fp32 master holds every part's elements back
+to back (the fp32 parts too: a copy, for the norms and routers such models keep in fp32).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.distributed as dist
 
 from .._flat.geometry import sliced_numel
 from .._flat.layout import FlatLayout
+from .._flat.module import FlatParamModule
 from .buckets import Bucket
 from .comm import BucketComm, ReduceToOwner
 from .mode import Context, Mode, Segment
+from .setup import check_master_dtype
 from .shards import LocalShards
 
 __all__ = ["ShardedOptimizer"]
@@ -34,12 +43,20 @@ class ShardedOptimizer(Mode):
         self.master_dtype = master_dtype
         self._master: torch.Tensor | None = None
         self._master_grad: torch.Tensor | None = None
+        # the rank's slice by dtype: (start, end, dtype, at): gradient-space [start, end) is
+        # the master's elements from at on (one part, at 0, unless the layout is mixed)
+        self._parts: list[tuple[int, int, torch.dtype, int]] = []
+        self._unit = 1  # bytes per gradient-space position (setup)
         self._weights: torch.Tensor | None = None  # the trainable weights, when some are frozen
         self._runs: list[tuple[int, int, int]] = []  # flat [a, b) = weights [c, c + b - a)
         self._at: int | None = None  # where the gradient space starts in the flat buffer
         self._pieces: list[tuple[int, int, int, torch.nn.Parameter]] = []  # gradient space
         self._segments: list[Segment] = []  # the same pieces, in flat-buffer coordinates
         self.bytes_gathered = 0
+
+    def prepare(self, fm: FlatParamModule) -> None:
+        check_master_dtype(fm.layout, self.master_dtype)
+        super().prepare(fm)
 
     def flat_numel(self, layout: FlatLayout, world_size: int) -> int:
         return sliced_numel(layout, world_size)
@@ -56,10 +73,36 @@ class ShardedOptimizer(Mode):
             self._runs = layout.trainable_runs()
             self._weights = torch.zeros(ctx.geometry.total, dtype=ctx.flat.dtype, device=ctx.device)
             self._copy_in(ctx)
+        s0, e0 = ctx.geometry.range(ctx.rank)
+        self._unit = ctx.fm.dtype.itemsize  # bytes per gradient-space position
+        self._parts = _parts(layout.grad_layout, s0, e0, ctx.geometry.total, ctx.fm.dtype)
         if ctx.fm.dtype != self.master_dtype:
-            s0, e0 = ctx.geometry.range(ctx.rank)
-            self._master = self._space(ctx)[s0:e0].to(self.master_dtype, copy=True)
+            n = sum((b - a) * self._unit // d.itemsize for a, b, d, _ in self._parts)
+            self._master = torch.empty(n, dtype=self.master_dtype, device=ctx.device)
             self._master_grad = torch.zeros_like(self._master)
+            self._copy_master(ctx, into_master=True)
+
+    def _typed(self, t: torch.Tensor, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+        return t[a:b] if t.dtype == dtype else t[a:b].view(dtype)
+
+    def _in_master(self, a: int, b: int) -> tuple[int, int]:
+        """Where gradient-space ``[a, b)`` (inside one part of the rank's slice) lies in the
+        master or, without one, in the rank's slice."""
+        for x, y, d, at in self._parts:
+            if x <= a and b <= y:
+                w = d.itemsize // self._unit
+                return at + (a - x) // w, at + (b - x) // w
+        raise AssertionError(f"[{a}, {b}) is not inside one part of {self._parts}")
+
+    @torch.no_grad()
+    def _copy_master(self, ctx: Context, *, into_master: bool) -> None:
+        """The slice's weights into the master (or back), part by part."""
+        assert self._master is not None
+        space = self._space(ctx)
+        for a, b, d, at in self._parts:
+            typed = self._typed(space, a, b, d)
+            master = self._master[at : at + typed.numel()]
+            (master.copy_(typed) if into_master else typed.copy_(master))
 
     def _space(self, ctx: Context) -> torch.Tensor:
         """The weights laid out like the gradient: the flat buffer (from the trainable
@@ -77,11 +120,10 @@ class ShardedOptimizer(Mode):
     def make_comm(self, ctx: Context) -> BucketComm:
         """Each bucket reduced to the owner of its slice (a bucket never crosses a slice)."""
         geometry = ctx.geometry
-        s0 = geometry.range(ctx.rank)[0]
         master = self._master_grad
         sink = None
         if master is not None and ctx.spec.dtype == master.dtype:  # reduce_dtype=master's
-            sink = lambda b: master[b.start - s0 : b.end - s0]  # noqa: E731
+            sink = lambda b: master[slice(*self._in_master(b.start, b.end))]  # noqa: E731
         return ReduceToOwner(ctx.mesh, lambda b: geometry.owner(b.start), sink)
 
     def finish(self, ctx: Context) -> None:
@@ -89,18 +131,21 @@ class ShardedOptimizer(Mode):
         mine = ctx.grad[s0:e0]
         if self._master_grad is not None:
             # reduced across ranks in the buffer's dtype (half the traffic in bf16), or in
-            # the master's (reduce_dtype) straight into it; a sum is divided here, in the
-            # master dtype
-            if ctx.spec.dtype != self._master_grad.dtype:
-                self._master_grad.copy_(mine)
+            # the master's (reduce_dtype) straight into it, where it travelled in a copy; a
+            # sum is divided here, in the master dtype
+            wire = ctx.spec.dtype
+            for a, b, d, at in self._parts:
+                if wire != self._master_grad.dtype or wire == d:  # not landed there
+                    typed = self._typed(ctx.grad, a, b, d)
+                    self._master_grad[at : at + typed.numel()].copy_(typed)
             mine = self._master_grad
         ctx.spec.scale_after(mine)
 
     # -- the rank's slice -----------------------------------------------------------------
-    def _slice(self, ctx: Context, t: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        """Elements ``[a, b)`` of the gradient space, in ``t``, a tensor over this rank's slice."""
-        s0 = ctx.geometry.range(ctx.rank)[0]
-        return t[a - s0 : b - s0]
+    def _slice(self, t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Gradient-space ``[a, b)`` (one slot's piece), in ``t``: the master, its gradient, or
+        without a master a tensor over this rank's slice."""
+        return t[slice(*self._in_master(a, b))]
 
     def _params(self, ctx: Context) -> torch.Tensor:
         s0, e0 = ctx.geometry.range(ctx.rank)
@@ -110,6 +155,9 @@ class ShardedOptimizer(Mode):
         s0, e0 = ctx.geometry.range(ctx.rank)
         return self._master_grad if self._master_grad is not None else ctx.grad[s0:e0]
 
+    def local_grads(self, ctx: Context) -> list[torch.Tensor]:
+        return [self.local_grad(ctx)]  # a mixed layout's has a master, in one dtype
+
     def optimizer_tensors(self, ctx: Context) -> list[Segment]:
         s0, e0 = ctx.geometry.range(ctx.rank)
         layout = ctx.fm.layout
@@ -117,7 +165,7 @@ class ShardedOptimizer(Mode):
             for i, g in zip(layout.trainable, layout.grad_layout.slots):
                 a, b = max(g.offset, s0), min(g.end, e0)
                 if a < b:
-                    piece = torch.nn.Parameter(self._slice(ctx, self._params(ctx), a, b))
+                    piece = torch.nn.Parameter(self._slice(self._params(ctx), a, b))
                     self._pieces.append((i, a, b, piece))
                     # what the optimizer updates, as a range of the flat buffer
                     shift = layout.slots[i].offset - g.offset
@@ -127,7 +175,7 @@ class ShardedOptimizer(Mode):
     def attach_grads(self, ctx: Context, used: dict[int, bool]) -> None:
         grad = self.local_grad(ctx)
         for i, a, b, piece in self._pieces:
-            piece.grad = self._slice(ctx, grad, a, b) if used[i] else None
+            piece.grad = self._slice(grad, a, b) if used[i] else None
 
     @torch.no_grad()
     def after_step(self, ctx: Context) -> None:
@@ -144,7 +192,7 @@ class ShardedOptimizer(Mode):
         space = self._space(ctx)
         s0, e0 = ctx.geometry.range(ctx.rank)
         if self._master is not None:
-            space[s0:e0].copy_(self._master)
+            self._copy_master(ctx, into_master=False)
         if ctx.world_size > 1:
             # In place, one call on every backend (gloo implements it too since torch 2.x,
             # at the speed of a list all_gather): rank r's slice is input and output at
@@ -165,32 +213,58 @@ class ShardedOptimizer(Mode):
         if self._weights is not None:
             self._copy_in(ctx)
         if self._master is not None:
-            s0, e0 = ctx.geometry.range(ctx.rank)
-            self._master.copy_(self._space(ctx)[s0:e0])
+            self._copy_master(ctx, into_master=True)
 
     def local_shards(self, ctx: Context) -> LocalShards:
-        numel = ctx.fm.layout.numel
-        if self._weights is None:  # the buffer itself, from 0 or from the trainable suffix
-            a = self._at or 0
-            every = [(a + x, a + y) for x, y in ctx.geometry.clipped(numel - a)]
-            return LocalShards.of(self._params(ctx), [(a, numel)], [every], ctx.rank, [0])
-        # each run of trainable parameters is a region of the flat buffer, cut where the
-        # ranks' slices of the gradient space cut it
+        layout = ctx.fm.layout
+        # the buffer itself (from 0 or from the trainable suffix), or the trainable copy's runs
+        runs = [(self._at or 0, layout.numel, 0)] if self._weights is None else self._runs
+        if layout.mixed:  # runs of one dtype each: the master's elements, back to back
+            cuts = [r.start for r in layout.grad_layout.regions[1:]]
+            runs = [
+                (a + x - c, a + y - c, x) for a, b, c in runs for x, y in _cut(c, c + b - a, cuts)
+            ]
+        # each run is a region of the flat buffer, cut where the ranks' slices of the
+        # gradient space cut it
         ranges = ctx.geometry.ranges()
-        s0 = ranges[ctx.rank][0]
+        s0, e0 = ranges[ctx.rank]
         regions, every, offsets = [], [], []
-        for a, b, c in self._runs:
+        for a, b, c in runs:
             cuts = []
             for x, y in ranges:
                 lo, hi = max(x, c), min(y, c + b - a)
                 cuts.append((a + lo - c, a + hi - c) if lo < hi else (a, a) if y <= c else (b, b))
             regions.append((a, b))
             every.append(cuts)
-            x = ranges[ctx.rank][0]
-            offsets.append(max(x, c) - s0)
+            lo, hi = max(s0, c), min(e0, c + b - a)
+            offsets.append(self._in_master(lo, hi)[0] if lo < hi else 0)
         return LocalShards.of(self._params(ctx), regions, every, ctx.rank, offsets)
 
     def master_bytes(self) -> int:
         """The master copy and its gradient, and the trainable weights' copy (if any)."""
         tensors = (self._master, self._master_grad, self._weights)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _parts(
+    grads: FlatLayout, s0: int, e0: int, total: int, dtype: torch.dtype
+) -> list[tuple[int, int, torch.dtype, int]]:
+    """The rank's slice ``[s0, e0)`` of the gradient space cut where the dtype changes:
+    ``(start, end, dtype, at)``, ``at`` counting the elements of the parts before it (the
+    padding past the last region is the last region's). One part when the layout has one
+    dtype (``dtype``, the buffer's)."""
+    if not grads.mixed:
+        return [(s0, e0, dtype, 0)]
+    parts, at = [], 0
+    regions = grads.regions
+    for k, r in enumerate(regions):
+        a, b = max(r.start, s0), min(total if k == len(regions) - 1 else r.end, e0)
+        if a < b:
+            parts.append((a, b, r.dtype, at))
+            at += (b - a) // r.dtype.itemsize
+    return parts
+
+
+def _cut(a: int, b: int, cuts: list[int]) -> list[tuple[int, int]]:
+    """``[a, b)`` cut at each of ``cuts`` inside it."""
+    return list(itertools.pairwise([a, *(c for c in cuts if a < c < b), b]))

@@ -288,7 +288,8 @@ class DistributedTrainer:
         self._not_full("all_reduce_parameters()")
         flat = self.module.flat_param
         assert flat is not None
-        all_reduce_flat(flat, op, self._mesh, self._mean_op)
+        for typed in self.module.layout.typed(flat):  # each dtype apart
+            all_reduce_flat(typed, op, self._mesh, self._mean_op)
 
     @torch.no_grad()
     def clip_grad_norm_(

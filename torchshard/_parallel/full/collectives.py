@@ -180,3 +180,17 @@ class UnitComm:
         return reduce_scatter_unit(
             grad, n, self.rank, self.global_ranks, self.reduce_group, op, native=self.native
         )
+
+    def reduce_to_owners(
+        self, unit: int, pieces: list[tuple[int, torch.Tensor]], op: dist.ReduceOp
+    ) -> list[dist.Work]:
+        """Start reducing unit ``unit``'s gradient given as ``(owner, piece)`` (a stripe of
+        bytes of several dtypes, cut into typed pieces), each piece to its owner."""
+        self.order.log("r", unit)
+        if self.world == 1:
+            return []
+        self.stats.bytes_reduced += sum(t.numel() * t.element_size() for _, t in pieces)
+        return [
+            dist.reduce(t, self.global_ranks[q], op=op, group=self.reduce_group, async_op=True)
+            for q, t in pieces
+        ]

@@ -61,13 +61,13 @@ class UnitGradReducer:
         self.compact = self.layout.grad_layout is not self.layout
         """Some parameters are frozen: the stripes' gradients hold the trainable ones only."""
         self.spans = self._trainable_spans() if self.compact else []
-        """``compact``: ``(unit, a, b, at)``: flat ``[a, b)`` of this rank's stripes is
-        ``stripe_grads[at : at + b - a]``."""
-        self.span_at = {(a, b): at for _, a, b, at in self.spans}
-        self.unit_spans: list[list[tuple[int, int, int, int]]] = [[] for _ in self.units]
+        """``compact``: ``(unit, a, b, at, n)``: flat ``[a, b)`` of this rank's stripes is
+        ``stripe_grads[at : at + n]`` (``n`` elements: ``b - a`` unless the layout is bytes)."""
+        self.span_at = {(a, b): (at, n) for _, a, b, at, n in self.spans}
+        self.unit_spans: list[list[tuple[int, int, int, int, int]]] = [[] for _ in self.units]
         for span in self.spans:
             self.unit_spans[span[0]].append(span)
-        n = sum(b - a for _, a, b, _ in self.spans)
+        n = sum(span[4] for span in self.spans)
         self.stripe_grads = (
             storage.stripe_weights.new_zeros(n)
             if self.compact
@@ -83,7 +83,9 @@ class UnitGradReducer:
         self.averaged = False
         """Whether the stripes' gradients are the mean since the last backward."""
         self.used = [False] * len(self.layout)
-        self.inflight: list[tuple[int, list[dist.Work], torch.Tensor, torch.Tensor]] = []
+        self.inflight: list[
+            tuple[int, list[dist.Work], torch.Tensor | list[torch.Tensor], torch.Tensor]
+        ] = []
         self.pieces: list[tuple[int, int, int, nn.Parameter]] = []
         """The optimizer's tensors ``(slot, start, end, piece)``, given their gradients."""
         self.on_gradient: Callable[[], None] = lambda: None
@@ -96,15 +98,15 @@ class UnitGradReducer:
             if self.layout.slots[i].requires_grad:
                 p.register_post_accumulate_grad_hook(self._grad_hook(i))
 
-    def _trainable_spans(self) -> list[tuple[int, int, int, int]]:
+    def _trainable_spans(self) -> list[tuple[int, int, int, int, int]]:
         spans, at = [], 0
         for u, (a0, b0) in enumerate(self.storage.stripe_ranges()):
             for i in range(self.units[u].lo, self.units[u].hi):
                 s = self.layout.slots[i]
                 a, b = max(s.offset, a0), min(s.end, b0)
                 if s.requires_grad and a < b:
-                    spans.append((u, a, b, at))
-                    at += b - a
+                    spans.append((u, a, b, at, (b - a) // s.width))
+                    at += (b - a) // s.width
         return spans
 
     def grad_of(self, a: int, b: int) -> torch.Tensor:
@@ -112,8 +114,8 @@ class UnitGradReducer:
         rank's stripes (an optimizer piece)."""
         if not self.compact:
             return self.storage.stripe_of(self.stripe_grads, a, b)
-        at = self.span_at[(a, b)]  # the optimizer's pieces are the spans
-        return self.stripe_grads[at : at + b - a]
+        at, n = self.span_at[(a, b)]  # the optimizer's pieces are the spans
+        return self.stripe_grads[at : at + n]
 
     @property
     def sync(self) -> bool:
@@ -162,8 +164,7 @@ class UnitGradReducer:
                 "was reduce-scattered: it is used outside its unit's forward; choose units= "
                 "so that each unit's parameters are used only inside it"
             )
-        start = self.units[u].start
-        self._unit_grad(u)[s.offset - start : s.end - start].view(s.shape).add_(g)
+        s.view(self._unit_grad(u), base=self.units[u].start).add_(g)
         self.used[i] = True
         self.pending[u] -= 1
         if self.pending[u] == 0 and not self.units[u].kept:
@@ -176,6 +177,8 @@ class UnitGradReducer:
         if grad is None:
             n, device = self.storage.geometries[u].total, self.ctx.device
             dtype = self.ctx.spec.dtype or self.storage.dtype  # reduce_dtype: summed in it
+            if self.storage.regions:  # bytes of several dtypes: a piece travels in it
+                dtype = self.storage.dtype
             if self.units[u].kept or not self.pool_numel:
                 grad = self._held(torch.zeros(n, dtype=dtype, device=device))
             else:
@@ -214,9 +217,13 @@ class UnitGradReducer:
         ctx = self.ctx
         grad = self._unit_grad(u)
         self.reduced[u] = True
-        ctx.spec.scale_before(grad)
-        n = self.storage.geometries[u].per_rank
-        out, works = self.comm.reduce_scatter(u, grad, n, ctx.spec.op)
+        out: torch.Tensor | list[torch.Tensor]
+        if self.storage.regions:
+            out, works = self._reduce_parts(u, grad)
+        else:
+            ctx.spec.scale_before(grad)
+            n = self.storage.geometries[u].per_rank
+            out, works = self.comm.reduce_scatter(u, grad, n, ctx.spec.op)
         self.unit_grad[u] = None
         self.inflight.append((u, works, out, grad))
         # one reduction in flight, one unit's gradient filling: at most two unit gradients
@@ -225,16 +232,46 @@ class UnitGradReducer:
         if self.world == 1:
             self._complete()
 
+    def _reduce_parts(
+        self, u: int, grad: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[dist.Work]]:
+        """Unit ``u``'s gradient of several dtypes: every rank's stripe cut into typed parts,
+        each reduced to its owner (in the reduce dtype where there is one); this rank's
+        parts (valid once the handles are waited for) and the handles."""
+        spec, storage = self.ctx.spec, self.storage
+        pieces, mine = [], []
+        for q in range(self.world):
+            for a, b, d in storage.parts(u, q):
+                wire = spec.on_wire(storage.typed(grad, u, a, b, d))
+                spec.scale_before(wire)
+                pieces.append((q, wire))
+                if q == storage.rank:
+                    mine.append(wire)
+        return mine, self.comm.reduce_to_owners(u, pieces, spec.op)
+
+    def _add_parts(self, u: int, out: list[torch.Tensor]) -> None:
+        """This rank's reduced typed parts of unit ``u`` into the stripes' gradient."""
+        for (a, b, d, at), wire in zip(self.storage.mine[u], out):
+            if not self.compact:
+                self.stripe_grads[at : at + wire.numel()].add_(wire)
+                continue
+            w = d.itemsize // self.storage.dtype.itemsize
+            for _, x, y, to, n in self.unit_spans[u]:
+                if a <= x and y <= b:
+                    self.stripe_grads[to : to + n].add_(wire[(x - a) // w : (x - a) // w + n])
+
     def _complete(self) -> None:
         u, works, out, grad = self.inflight.pop(0)
         t0 = time.perf_counter()
         for w in works:
             w.wait()
         self.stats.wait_seconds += time.perf_counter() - t0
-        if self.compact:  # the trainable parts of the stripe only
+        if isinstance(out, list):
+            self._add_parts(u, out)
+        elif self.compact:  # the trainable parts of the stripe only
             s0 = self.storage.geometries[u].range(self.storage.rank)[0]
-            for _, a, b, at in self.unit_spans[u]:
-                self.stripe_grads[at : at + b - a].add_(out[a - s0 : b - s0])
+            for _, a, b, at, n in self.unit_spans[u]:
+                self.stripe_grads[at : at + n].add_(out[a - s0 : b - s0])
         else:
             a = self.storage.stripe_offsets[u]
             self.stripe_grads[a : a + self.storage.geometries[u].per_rank].add_(out)

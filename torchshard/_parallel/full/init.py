@@ -47,7 +47,7 @@ def adopt_units(
 
     def view_of(i: int, s: ParamSlot) -> torch.Tensor:
         u = units[unit_of[i]]
-        return storage.buffers[u.index][s.offset - u.start : s.end - u.start].view(s.shape)
+        return s.view(storage.buffers[u.index], base=u.start)
 
     params = swap_in(fm.module, layout, view_of)
     storage.free_all_storage()
@@ -91,7 +91,7 @@ class UnitFiller:
                         s = layout.slots[i]
                         o = originals[i]
                         assert o is not None
-                        buf[s.offset - u.start : s.end - u.start].copy_(o.reshape(-1))
+                        s.view(buf, base=u.start).copy_(o)
                         originals[i] = None  # release the old parameter as we go
                 self.settle(u.index)
             return
@@ -116,9 +116,7 @@ class UnitFiller:
         storage = self.storage
         buf = storage.buffers[u]
         storage.comm.broadcast(buf, self.src)
-        n = storage.geometries[u].per_rank
-        a = storage.rank * n
-        storage.stripe(u).copy_(buf[a : a + n])
+        storage.copy_stripe(u, into_buffer=False)
         self.settled.add(u)
         storage.free(u)
 

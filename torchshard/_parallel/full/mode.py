@@ -36,6 +36,7 @@ from ..._errors import TorchShardError
 from ..._flat.module import FlatParamModule
 from ..buckets import Bucket
 from ..mode import Context, Mode, Segment
+from ..setup import check_master_dtype
 from ..shards import LocalShards
 from ..units import Unit, UnitSpec, resolve_units
 from .collectives import UnitComm
@@ -92,6 +93,7 @@ class FullyShard(Mode):
     # -- construction ----------------------------------------------------------------------
     def prepare(self, fm: FlatParamModule) -> None:
         """Resolve the units (no tensors, no collective), before the ranks compare models."""
+        check_master_dtype(fm.layout, self.master_dtype)
         self.units = resolve_units(fm.module, fm.layout, self.spec)
 
     def adopt(
@@ -108,8 +110,14 @@ class FullyShard(Mode):
         if not self.units:
             self.prepare(fm)
         self.comm = UnitComm(group, device, native=self.native_gloo)
+        layout = fm.layout
         self.storage = UnitBuffers(
-            self.units, fm.layout.align, fm.dtype, self.master_dtype, self.comm
+            self.units,
+            layout.align,
+            fm.dtype,
+            self.master_dtype,
+            self.comm,
+            layout.regions if layout.mixed else (),
         )
         self.params = adopt_units(fm, self.storage, src, init_fn)
         return self.params
@@ -176,6 +184,9 @@ class FullyShard(Mode):
         assert self.grads is not None
         return self.grads.stripe_grads
 
+    def local_grads(self, ctx: Context) -> list[torch.Tensor]:
+        return [self.local_grad(ctx)]  # in the master dtype, however many the model has
+
     @torch.no_grad()
     def after_step(self, ctx: Context) -> None:
         assert self.grads is not None
@@ -228,11 +239,26 @@ class FullyShard(Mode):
 
     def local_shards(self, ctx: Context) -> LocalShards:
         storage = self._adopted()
-        every = [g.clipped(u.numel) for u, g in zip(self.units, storage.geometries)]
-        regions = [(u.start, u.end) for u in self.units]
-        return LocalShards.of(
-            storage.stripe_weights, regions, every, storage.rank, storage.stripe_offsets
-        )
+        if not storage.regions:
+            every = [g.clipped(u.numel) for u, g in zip(self.units, storage.geometries)]
+            regions = [(u.start, u.end) for u in self.units]
+            return LocalShards.of(
+                storage.stripe_weights, regions, every, storage.rank, storage.stripe_offsets
+            )
+        # bytes of several dtypes: each unit's runs of one dtype are regions of their own,
+        # their elements the stripes' (``storage.element``)
+        regions, cuts, offsets = [], [], []
+        for u, g in zip(self.units, storage.geometries):
+            for r in storage.regions:
+                x, y = max(r.start, u.start), min(r.end, u.end)
+                if x >= y:
+                    continue
+                ranges = [(min(max(a, x), y), min(max(b, x), y)) for a, b in g.clipped(u.numel)]
+                regions.append((x, y))
+                cuts.append(ranges)
+                a, b = ranges[storage.rank]
+                offsets.append(storage.element(a) if a < b else 0)
+        return LocalShards.of(storage.stripe_weights, regions, cuts, storage.rank, offsets)
 
     def own_groups(self) -> tuple[dist.ProcessGroup, ...]:
         # a trainer whose construction failed before the communicators is closed at exit too

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..._flat.layout import Region
 from ..units import Unit, unit_geometry
 from .collectives import UnitComm
 
@@ -75,9 +76,12 @@ class UnitBuffers:
     Args:
         units: the units, in layout order.
         align: the layout's alignment, in elements (each stripe a multiple of it).
-        dtype: the model's dtype (the units' buffers).
+        dtype: the model's dtype (the units' buffers; bytes for parameters of several).
         stripe_dtype: the stripes' dtype (the master dtype).
         comm: the communicators (its world size cuts the units).
+        regions: a mixed layout's regions (bytes of several dtypes): each stripe is cut
+            where the dtype changes, and its parts' elements lie back to back in the
+            stripes (:meth:`parts`).
 
     Example::
 
@@ -93,16 +97,23 @@ class UnitBuffers:
         dtype: torch.dtype,
         stripe_dtype: torch.dtype,
         comm: UnitComm,
+        regions: tuple[Region, ...] = (),
     ) -> None:
         self.units, self.dtype, self.comm, self.device = units, dtype, comm, comm.device
-        self.rank = comm.rank
+        self.rank, self.regions = comm.rank, regions
         self.geometries = [unit_geometry(u, comm.world, align) for u in units]
         self.stripe_offsets: list[int] = []
         """Where unit ``u``'s stripe starts in :attr:`stripe_weights`."""
+        self.mine: list[list[tuple[int, int, torch.dtype, int]]] = []
+        """Per unit, this rank's stripe as :meth:`parts`, each with where its elements start
+        in :attr:`stripe_weights`: ``(start, end, dtype, at)``."""
         at = 0
-        for g in self.geometries:
+        for u in range(len(units)):
             self.stripe_offsets.append(at)
-            at += g.per_rank
+            self.mine.append([])
+            for a, b, d in self.parts(u, self.rank):
+                self.mine[u].append((a, b, d, at))
+                at += (b - a) * dtype.itemsize // d.itemsize
         self.stripe_weights = torch.zeros(at, dtype=stripe_dtype, device=self.device)
         # with storage, long enough to cut the parameters' views; freed once they are cut
         self.buffers = [
@@ -117,9 +128,53 @@ class UnitBuffers:
         self._heap_free = 0
 
     def stripe(self, u: int) -> torch.Tensor:
-        """This rank's stripe of unit ``u`` in :attr:`stripe_weights`."""
+        """This rank's stripe of unit ``u`` in :attr:`stripe_weights` (every part's elements)."""
         a = self.stripe_offsets[u]
-        return self.stripe_weights[a : a + self.geometries[u].per_rank]
+        n = sum((y - x) * self.dtype.itemsize // d.itemsize for x, y, d, _ in self.mine[u])
+        return self.stripe_weights[a : a + n]
+
+    def parts(self, u: int, rank: int) -> list[tuple[int, int, torch.dtype]]:
+        """Rank ``rank``'s stripe of unit ``u`` (flat ``[start, end)``, padding included) cut
+        where the dtype changes: ``(start, end, dtype)``; one part without regions. The
+        padding past the unit is its last dtype's.
+
+        Example::
+
+            for a, b, dtype in storage.parts(u, q):
+                typed = storage.buffers[u][a - unit.start : b - unit.start].view(dtype)
+        """
+        a0, b0 = self.geometries[u].range(rank)
+        if not self.regions:
+            return [(a0, b0, self.dtype)] if a0 < b0 else []
+        unit = self.units[u]
+        spans = [
+            (r.start, r.end, r.dtype)
+            for r in self.regions
+            if r.start < unit.end and r.end > unit.start
+        ]
+        spans[-1] = (spans[-1][0], b0, spans[-1][2])
+        return [(max(x, a0), min(y, b0), d) for x, y, d in spans if max(x, a0) < min(y, b0)]
+
+    def typed(self, t: torch.Tensor, u: int, a: int, b: int, d: torch.dtype) -> torch.Tensor:
+        """Flat ``[a, b)`` of ``t``, a buffer laid out like unit ``u``'s, as ``d``."""
+        piece = t[a - self.units[u].start : b - self.units[u].start]
+        return piece.view(d) if piece.dtype == torch.uint8 else piece
+
+    @torch.no_grad()
+    def copy_stripe(self, u: int, *, into_buffer: bool) -> None:
+        """This rank's stripe of unit ``u`` from :attr:`stripe_weights` into the unit's buffer
+        (cast to each part's dtype), or back."""
+        for a, b, d, at in self.mine[u]:
+            typed = self.typed(self.buffers[u], u, a, b, d)
+            stripe = self.stripe_weights[at : at + typed.numel()]
+            typed.copy_(stripe) if into_buffer else stripe.copy_(typed)
+
+    def element(self, a: int) -> int:
+        """Where flat position ``a`` (in one of this rank's stripes) is in :attr:`stripe_weights`."""
+        for x, y, d, at in self.mine[self.unit_at(a)]:
+            if x <= a <= y:
+                return at + (a - x) * self.dtype.itemsize // d.itemsize
+        raise AssertionError(f"position {a} is not in this rank's stripes")
 
     def stripe_ranges(self) -> list[tuple[int, int]]:
         """This rank's ``[a, b)`` of the flat buffer, one per unit, clipped to the unit."""
@@ -132,10 +187,11 @@ class UnitBuffers:
     def stripe_of(self, t: torch.Tensor, a: int, b: int) -> torch.Tensor:
         """Elements ``[a, b)`` of the flat buffer (inside one of this rank's stripes) in ``t``,
         a tensor laid out like :attr:`stripe_weights`."""
-        u = self.unit_at(a)
-        s0 = self.geometries[u].range(self.rank)[0]
-        o = self.stripe_offsets[u] + (a - s0)
-        return t[o : o + (b - a)]
+        for x, y, d, at in self.mine[self.unit_at(a)]:
+            if x <= a and b <= y:
+                w = d.itemsize // self.dtype.itemsize
+                return t[at + (a - x) // w : at + (b - x) // w]
+        raise AssertionError(f"[{a}, {b}) is not inside one part of this rank's stripes")
 
     def unit_at(self, a: int) -> int:
         """The unit that holds flat element ``a``."""
@@ -186,12 +242,11 @@ class UnitBuffers:
             buf.untyped_storage().resize_(nbytes)
             self.account(nbytes)
             n = self.geometries[u].per_rank
-            a = self.rank * n
             # Saved for backward are views of this storage: refilling it is no modification.
             # The version is put back once the gather is done (gloo's all-gather writes the
             # output when the work completes, on its own thread).
             self.versions[u] = buf._version
-            buf[a : a + n].copy_(self.stripe(u))
+            self.copy_stripe(u, into_buffer=True)
             self.works[u] = self.comm.gather(u, buf, n)
             self.state[u] = PENDING
         if wait and self.state[u] == PENDING:
