@@ -21,7 +21,7 @@ import torch
 
 from .._errors import CheckpointError
 from .._flat.layout import FlatLayout, dtype_from_name, dtype_name
-from ._streams import MASTER, Stream, streams_json
+from ._streams import MASTER, Stream, canonical, streams_json
 from ._target import Target
 
 __all__ = ["MASTER", "OptimizerView", "Segment", "group_problem", "restore_group_values"]
@@ -102,7 +102,7 @@ class OptimizerView:
                 masters.setdefault(param, seg.tensor.dtype)
         for param, dtype in masters.items():
             found[(MASTER, param)] = dtype
-        streams = [Stream(k, p, d, layout.mixed) for (k, p), d in found.items()]
+        streams = canonical([Stream(k, p, d, layout.mixed) for (k, p), d in found.items()], layout)
         return cls(optimizer, segments, names, streams, frozenset(masters), layout)
 
     def source(self, seg: Segment, stream: Stream) -> torch.Tensor | None:
@@ -193,6 +193,7 @@ class OptimizerView:
                     have.add((k, dtype_from_name(p)))
                     stream = Stream(k, dtype_from_name(p), dtype_from_name(d), self.layout.mixed)
                     self.streams.append(stream)
+        self.streams = canonical(self.streams, self.layout)  # (new keys last, as found)
         return merge_scalars([r["scalars"] for r in replies])
 
     def metadata(self, scalars: tuple[dict[str, dict[str, Any]], str]) -> dict[str, Any]:

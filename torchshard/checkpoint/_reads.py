@@ -4,6 +4,7 @@ files store into the place the live optimizer holds it (:class:`Holding`)."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -50,10 +51,14 @@ def read_state(
     ``into`` written (what the files store of them: all, or the trainable parameters')."""
     assert meta.optim is not None
     written, w = [], stream.width
+    parts = sorted(parts)  # in file order: a chunk that two reads cut is read once
+    starts = [rs for rs, _, _ in parts]
     for file, fs, fe in meta.optim.files:
         stored = stream_parts(meta.layout, fs, fe, meta.optim.trainable_only, stream.param)
         for ps, pe, pos in stored:
-            for rs, re, at in parts:
+            for rs, re, at in parts[max(0, bisect.bisect_right(starts, ps) - 1) :]:
+                if rs >= pe:
+                    break
                 ov = overlap((ps, pe), (rs, re))
                 if ov is not None:
                     a, b = ov

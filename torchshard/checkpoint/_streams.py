@@ -31,6 +31,7 @@ __all__ = [
     "MASTER",
     "Held",
     "Stream",
+    "canonical",
     "parse_flat_state",
     "stream_parts",
     "streams_json",
@@ -162,17 +163,23 @@ class Held:
 
 
 # -- optimizer.flat_state in metadata.json ------------------------------------------------------
+def canonical(streams: Sequence[Stream], layout: FlatLayout) -> list[Stream]:
+    """``streams`` in the order the files hold them and ``flat_state`` lists them: by key
+    (in the order given), each key's by parameter dtype in the order of ``layout.dtypes``."""
+    keys = list(dict.fromkeys(s.key for s in streams))
+    return sorted(streams, key=lambda s: (keys.index(s.key), layout.dtypes.index(s.param)))
+
+
 def streams_json(streams: Sequence[Stream], layout: FlatLayout) -> dict[str, Any]:
     """``optimizer.flat_state``: each key's dtype (one dtype), or each key's dtype per
-    parameter dtype (several: ``{"exp_avg": {"bfloat16": "float32", ...}}``, in the order
-    of ``layout.dtypes``)."""
+    parameter dtype (several: ``{"exp_avg": {"bfloat16": "float32", ...}}``), in
+    :func:`canonical` order."""
     if not layout.mixed:
         return {s.key: dtype_name(s.dtype) for s in streams}
     out: dict[str, dict[str, str]] = {}
-    for s in sorted(streams, key=lambda s: layout.dtypes.index(s.param)):
+    for s in canonical(streams, layout):
         out.setdefault(s.key, {})[dtype_name(s.param)] = dtype_name(s.dtype)
-    order = list(dict.fromkeys(s.key for s in streams))
-    return {k: out[k] for k in order}
+    return out
 
 
 def parse_flat_state(v: Any, layout: FlatLayout) -> tuple[Stream, ...]:
