@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_harness import read_meta, refused, write_meta
+import torch.distributed as dist
+from checkpoint_harness import header, read_meta, refused, write_meta
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
@@ -53,12 +54,13 @@ class Mixed(nn.Module):
         self.final = nn.LayerNorm(d)
         self.head = nn.Linear(d, 3).to(BF16)
         self.register_buffer("scale", torch.arange(3, dtype=FP32))
+        self.register_buffer("mask", torch.tensor([True, False, True]))  # 3 bytes: then weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x.to(BF16)).float()
         for block in self.blocks:
             h = block(h)
-        return self.head(self.final(h).to(BF16)).float() * self.scale
+        return self.head(self.final(h).to(BF16)).float() * self.scale * self.mask
 
 
 def build(
@@ -150,13 +152,14 @@ def test_every_tensor_is_stored_in_its_own_dtype(saved):
     params = dict(fm.module.named_parameters())
     with safe_open(path / "model-00001-of-00001.safetensors", "pt") as f:
         names = f.keys()
-        assert set(names) == {*params, "scale"}
+        assert set(names) == {*params, "scale", "mask"}
+        buffers = dict(fm.module.named_buffers())
         for name in names:
-            want = params.get(name, fm.module.scale)
+            want = params[name] if name in params else buffers[name]
             assert f.get_tensor(name).dtype == want.dtype, name
             assert f.get_tensor(name).shape == want.shape, name
     index = json.loads((path / "model.safetensors.index.json").read_text())
-    nbytes = sum(p.numel() * p.element_size() for p in params.values()) + 3 * 4
+    nbytes = sum(p.numel() * p.element_size() for p in params.values()) + 3 * 4 + 3
     assert index["metadata"]["total_size"] == nbytes
     # the state of each parameter dtype, in that dtype (AdamW over the parameters themselves)
     state = {"bfloat16": "bfloat16", "float32": "float32"}
@@ -170,6 +173,19 @@ def test_every_tensor_is_stored_in_its_own_dtype(saved):
             # the parameters of that dtype (alignment gaps between them too), not their bytes
             elements = sum(s.numel for s in trains if s.torch_dtype == dtype)
             assert elements <= got.numel() < elements + 8 * len(fm.layout.regions)
+
+
+def test_a_save_in_the_background_writes_the_same_bytes(saved, tmp_path):
+    """Staged into host memory (after a 3-byte buffer: the weights' bytes are placed where
+    each dtype can view them) and written by the background thread, as written in place."""
+    path, freeze = saved
+    fm, opt = build(seed=0, freeze=freeze)
+    train(fm, opt, range(3))
+    with checkpoint.Checkpointer(tmp_path / "async") as ckpt:
+        ckpt.save(fm, step=3, optimizer=opt).wait()
+    staged = tmp_path / "async" / "step-00000003"
+    for f in sorted(path.iterdir()):
+        assert (staged / f.name).read_bytes() == f.read_bytes(), f.name
 
 
 def test_consolidate_keeps_each_dtype(saved, tmp_path):
@@ -317,3 +333,222 @@ def test_a_transformers_model_exports_for_from_pretrained(tmp_path):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=FP32)
     for name, p in loaded.named_parameters():
         assert torch.equal(p, want[name].float()), name
+
+
+# -- several ranks: replicated and shard=True --------------------------------------------------------
+SAVE_AT, MORE = 3, 2  # steps before the save, and after it
+
+
+def new_trainer(
+    shard: bool | str, seed: int, frozen: bool = False, width: int = 160
+) -> torchshard.DistributedTrainer:
+    """The model (weights from ``seed``; ``frozen``: as :func:`build`'s) in a trainer, AdamW in
+    two groups by name."""
+    torch.manual_seed(seed)
+    model = Mixed(d=width)
+    if frozen:
+        model.embed.requires_grad_(False)
+        model.blocks[0].norm.requires_grad_(False)
+    fm = torchshard.FlatParamModule(model)
+    trainer = torchshard.DistributedTrainer(fm, shard=shard, bucket_mb=0.001)
+    no_decay = [(lambda n: n.endswith("bias") or "norm" in n, {"weight_decay": 0.0})]
+    trainer.make_optimizer(torch.optim.AdamW, groups=no_decay, lr=1e-2, weight_decay=0.1)
+    return trainer
+
+
+def train_ranks(trainer: torchshard.DistributedTrainer, steps: range) -> None:
+    for step in steps:
+        g = torch.Generator().manual_seed(100 * step + trainer.rank)
+        trainer.zero_grad()
+        trainer.module(torch.randn(5, 8, generator=g)).square().mean().backward()
+        trainer.step()
+
+
+def state_by_name(trainer: torchshard.DistributedTrainer) -> dict[str, torch.Tensor]:
+    """Every parameter's weights (``name``), master (``name/master``: what the sharded
+    optimizer updates) and optimizer state (``name/key``), whole, assembled from every
+    rank's pieces: the same on every rank (a collective)."""
+    fm, opt = trainer.module, trainer.optimizer
+    assert opt is not None
+    layout = fm.layout
+    mine: dict[str, list] = {}  # name -> [(start, end, tensor)] in the parameter's elements
+    for i, a, b, t in trainer.optimizer_segments():
+        s = layout.slots[i]
+        at = ((a - s.offset) // s.width, (b - s.offset) // s.width)
+        if trainer.shard:
+            mine.setdefault(f"{s.name}/master", []).append((*at, t.detach().reshape(-1)))
+        for key, v in opt.state.get(t, {}).items():
+            part = v.detach().reshape(-1) if v.dim() else v.detach().reshape(1)
+            mine.setdefault(f"{s.name}/{key}", []).append((*at, part))
+    every: list[dict] = [{} for _ in range(trainer.world_size)]
+    dist.all_gather_object(every, mine if trainer.shard or trainer.rank == 0 else {})
+    out = {n: p.detach().clone() for n, p in fm.module.named_parameters()}
+    for name in sorted({n for d in every for n in d}):
+        pieces = [p for d in every for p in d.get(name, [])]
+        if pieces[0][2].numel() == 1 and name.endswith("/step"):  # a scalar: every piece's
+            out[name] = pieces[0][2].clone()
+            continue
+        whole = torch.zeros(max(b for _, b, _ in pieces), dtype=pieces[0][2].dtype)
+        for a, b, t in pieces:
+            whole[a:b] = t
+        out[name] = whole
+    return out
+
+
+def as_mode(state: dict[str, torch.Tensor], shard: bool) -> dict[str, torch.Tensor]:
+    """A state saved in the other mode, as a load into ``shard``'s optimizer makes it: the
+    replicated optimizer steps the parameters themselves (state in their dtype, as torch's
+    load_state_dict casts it; no master), the sharded one an fp32 master of each (the
+    weights, or the saved master of a bf16 parameter) with fp32 state."""
+    names = {k for k in state if "/" not in k}
+    out = {}
+    for k, v in state.items():
+        name, _, key = k.partition("/")
+        if not key:
+            out[k] = v
+        elif key == "master" and not shard:
+            continue
+        elif key != "step":
+            out[k] = v.to(FP32 if shard else state[name].dtype)
+        else:
+            out[k] = v
+    if shard:
+        for name in names:
+            if f"{name}/exp_avg" in out:  # a trained parameter: its master
+                out.setdefault(f"{name}/master", state[name].float())
+    return out
+
+
+def differ(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    if got.keys() != want.keys():
+        return [f"keys: {sorted(got.keys() ^ want.keys())}"]
+    return [
+        k
+        for k in sorted(got)
+        if got[k].dtype != want[k].dtype or not torch.equal(got[k].reshape(-1), want[k].reshape(-1))
+    ]
+
+
+def _save_at_2(root: str, expected: str, shard: bool, frozen: bool) -> None:
+    """Save at step 3, then go on to step 5: the uninterrupted run."""
+    trainer = new_trainer(shard, seed=0, frozen=frozen)
+    train_ranks(trainer, range(SAVE_AT))
+    checkpoint.save(root, trainer, step=SAVE_AT, optimizer=trainer.optimizer)
+    saved = state_by_name(trainer)
+    train_ranks(trainer, range(SAVE_AT, SAVE_AT + MORE))
+    final = state_by_name(trainer)
+    if trainer.rank == 0:
+        torch.save({"saved": saved, "final": final}, expected)
+    trainer.close()
+
+
+def _resume(root: str, expected: str, saved_shard: bool, shard: bool, frozen: bool) -> dict:
+    trainer = new_trainer(shard, seed=1, frozen=frozen)  # other weights
+    train_ranks(trainer, range(10, 11))  # and state
+    info = checkpoint.load(root, trainer, optimizer=trainer.optimizer)
+    want = torch.load(expected, weights_only=True)
+    got = state_by_name(trainer)
+    out = {"step": info.step, "read": info.bytes_read}
+    out["after_load"] = differ(got, as_mode(want["saved"], shard))
+    train_ranks(trainer, range(SAVE_AT, SAVE_AT + MORE))
+    trainer.assert_in_sync()
+    if shard == saved_shard and trainer.world_size == 2:  # the uninterrupted run's
+        out["continued"] = differ(state_by_name(trainer), want["final"])
+    trainer.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved_at_2(tmp_path_factory) -> dict[tuple[bool, bool], tuple[str, str]]:
+    """Checkpoints saved at 2 ranks, replicated (False) and sharded (True), with and without
+    frozen parameters, and what they hold; made on first use."""
+    from multiprocess import run_distributed
+
+    made: dict[tuple[bool, bool], tuple[str, str]] = {}
+
+    def get(shard: bool, frozen: bool) -> tuple[str, str]:
+        if (shard, frozen) not in made:
+            tmp = tmp_path_factory.mktemp(f"mixed-{shard}-{frozen}")
+            root, expected = str(tmp / "ckpt"), str(tmp / "expected.pt")
+            run_distributed(_save_at_2, 2, root, expected, shard, frozen, timeout=180)
+            made[shard, frozen] = root, expected
+        return made[shard, frozen]
+
+    return get
+
+
+MODE = {False: "replicated", True: "sharded"}
+RESUMES = [  # (saved sharded, loaded sharded, at world, some parameters frozen)
+    *((False, False, w, False) for w in (2, 1, 3)),
+    *((False, True, w, False) for w in (2, 3)),
+    *((True, True, w, False) for w in (2, 1, 3)),
+    *((True, False, w, False) for w in (2, 3)),
+    (True, True, 2, True),
+    (True, True, 3, True),
+    (True, False, 1, True),
+    (False, True, 3, True),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("saved_shard", "shard", "world", "frozen"),
+    [
+        pytest.param(*c, id=f"{MODE[c[0]]}-to-{MODE[c[1]]}-at-{c[2]}" + "-frozen" * c[3])
+        for c in RESUMES
+    ],
+)
+def test_saved_at_2_resumes_bitwise(saved_at_2, saved_shard, shard, world, frozen):
+    """Saved replicated or sharded at 2 ranks; loaded at 1, 2 or 3, in either mode: bitwise
+    the saved weights, masters and state (cast as the other mode keeps them); at 2 in the
+    same mode the run goes on as the uninterrupted one."""
+    from multiprocess import run_distributed
+
+    root, expected = saved_at_2(saved_shard, frozen)
+    args = (root, expected, saved_shard, shard, frozen)
+    results = run_distributed(_resume, world, *args, timeout=180)
+    files = sorted(Path(root).glob("step-*/*.safetensors"))
+    for rank, r in enumerate(results):
+        assert r["step"] == SAVE_AT
+        assert not r["after_load"], f"rank {rank}: differs from the saved state: {r['after_load']}"
+        if "continued" in r:
+            assert not r["continued"], f"rank {rank}: the continuation differs: {r['continued']}"
+    # each byte the load needs read about once by all ranks together, not once per rank: at
+    # most the two chunks (verified whole) at the ends of each rank's part of each tensor
+    # more (the weights of a model file are one part, back to back)
+    need, ends = 0, 0
+    for f in files:
+        _, head = header(f)
+        chunk = int(head.pop("__metadata__")["torchshard.chunk_bytes"])
+        masters = [e for n, e in head.items() if n.startswith("master/")]
+        unread = 0 if shard else sum(b - a for a, b in (e["data_offsets"] for e in masters))
+        need += f.stat().st_size - unread
+        parts = 1 if f.name.startswith("model") else len(head) - (0 if shard else len(masters))
+        ends += 2 * chunk * world * parts
+    total = sum(r["read"] for r in results)
+    assert 0.97 * need <= total <= need + ends, (world, total, need, ends)
+
+
+def _full_refused(root: str) -> list[str]:
+    trainer = new_trainer("full", seed=0)
+    messages = []
+    for attempt in (
+        lambda: checkpoint.save(root, trainer, step=1, optimizer=trainer.optimizer),
+        lambda: checkpoint.load(root, trainer, optimizer=trainer.optimizer),
+    ):
+        try:
+            attempt()
+        except checkpoint.CheckpointError as e:
+            messages.append(str(e))
+    trainer.close()
+    return messages
+
+
+def test_a_fully_sharded_trainer_of_several_dtypes_is_refused(tmp_path):
+    """Not supported yet: refused by name, before anything is written or changed."""
+    from multiprocess import run_distributed
+
+    (messages,) = run_distributed(_full_refused, 1, str(tmp_path / "ckpt"), timeout=120)
+    assert len(messages) == 2, messages
+    assert all("several dtypes (bfloat16, float32)" in m and "shard=" in m for m in messages)
+    assert not (tmp_path / "ckpt").exists()
