@@ -43,6 +43,7 @@ from torchshard.checkpoint._format import (
 from torchshard.checkpoint._optim import MASTER, OptimizerView
 from torchshard.checkpoint._plan import weight_runs
 from torchshard.checkpoint._safetensors import FileRecord
+from torchshard.checkpoint._streams import Stream
 
 LLAMA_70B = dict(
     hidden_size=8192,
@@ -84,9 +85,9 @@ def metadata_bytes(
     # The optimizer section, from a real AdamW's param group (every hyperparameter torch keeps)
     # through the checkpoint's own OptimizerView, as a sharded trainer's optimizer has it.
     adamw = torch.optim.AdamW([torch.nn.Parameter(torch.empty(0))], **ADAMW)
-    flat_keys = {"exp_avg": torch.float32, "exp_avg_sq": torch.float32, MASTER: torch.float32}
+    streams = [Stream(k, dtype, torch.float32) for k in ("exp_avg", "exp_avg_sq", MASTER)]
     group = [[s.name for s, t in zip(layout, trainable) if t]]
-    view = OptimizerView(adamw, [], group, flat_keys, has_master=True)
+    view = OptimizerView(adamw, [], group, streams, frozenset({dtype}), layout)
     steps = {
         "step": {"dtype": "float32", "values": [float(step) if t else None for t in trainable]}
     }
@@ -104,7 +105,7 @@ def metadata_bytes(
         sizes[model_file(0, world)] = sizes.get(model_file(0, world), 0) + buffer_bytes
     for f in meta["optimizer"]["files"]:
         a, b = f["range"]
-        sizes[f["file"]] = (b - a) * 4 * len(flat_keys)
+        sizes[f["file"]] = (b - a) * 4 * len(streams)
     files = {name: FileRecord(size, 0xDEADBEEF).to_dict() for name, size in sizes.items()}
     # commit(): the index's record, the files, then the seal.
     index = json.dumps(index_json(meta, buffer_bytes), separators=(",", ":")).encode()
