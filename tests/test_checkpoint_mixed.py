@@ -248,6 +248,44 @@ def test_state_in_another_dtype_than_its_parameters(tmp_path):
             assert got.dtype == p.dtype and torch.equal(got, opt.state[p][key].to(p.dtype))
 
 
+def test_adapters_alone_load_over_the_base_the_model_holds(tmp_path):
+    """``frozen=False``: the model files hold the trainable weights alone, each in its dtype;
+    a load keeps the frozen ones the model holds."""
+    fm, opt = build(seed=0, freeze=True)
+    train(fm, opt, range(2))
+    path = checkpoint.save(tmp_path, fm, step=2, optimizer=opt, frozen=False)
+    trains = {n for n, p in fm.module.named_parameters() if p.requires_grad}
+    with safe_open(path / "model-00001-of-00001.safetensors", "pt") as f:
+        assert set(f.keys()) == trains | {"scale", "mask"}
+    other, other_opt = build(seed=1, freeze=True)
+    base = {n: p.detach().clone() for n, p in other.module.named_parameters() if n not in trains}
+    checkpoint.load(path, other, optimizer=other_opt)
+    for (name, p), q in zip(other.module.named_parameters(), fm.module.parameters()):
+        assert torch.equal(p, base.get(name, q)), name
+    assert checkpoint.inspect_checkpoint(path).ok
+
+
+def test_a_file_whose_range_holds_no_state_of_a_dtype(tmp_path):
+    """State for the fp32 parameters alone: an optimizer file whose range holds bf16
+    parameters only holds no tensor; it is written, verified and resharded as any other."""
+    fm, _ = build(seed=0)
+    opt = torch.optim.AdamW([p for p in fm.parameters() if p.dtype == FP32], lr=1e-2)
+    train(fm, opt, range(2))
+    path = checkpoint.save(tmp_path / "one", fm, step=2, optimizer=opt)
+    assert read_meta(path)["optimizer"]["flat_state"]["exp_avg"] == {"float32": "float32"}
+    resharded = checkpoint.reshard(path, tmp_path / "many", 6)
+    empty = [f for f in resharded.glob("optim-*") if len(header(f)[1]) == 1]  # metadata only
+    assert empty, "expected a range of bf16 parameters alone"
+    assert checkpoint.inspect_checkpoint(resharded).ok
+    direct, direct_opt = build(seed=1)
+    direct_opt = torch.optim.AdamW([p for p in direct.parameters() if p.dtype == FP32], lr=1e-2)
+    checkpoint.load(path, direct, optimizer=direct_opt)
+    other, _ = build(seed=2)
+    other_opt = torch.optim.AdamW([p for p in other.parameters() if p.dtype == FP32], lr=1e-2)
+    checkpoint.load(resharded, other, optimizer=other_opt)
+    assert not differences(other, other_opt, direct, direct_opt)
+
+
 # -- what is refused ---------------------------------------------------------------------------
 def test_a_checkpoint_of_other_dtypes_is_another_model(tmp_path):
     mixed, mixed_opt = build(seed=0)

@@ -114,8 +114,10 @@ def _read_share(
     optimizer over whole parameters) is read in equal parts plus a short tail
     (:func:`~._plan.gather_ranges`), so that one all-gather per tensor completes it. What
     is held in local shards (the weights without a flat buffer; the state of the
-    trainer's sharding optimizer) is read for their runs, laid out like their tensor:
-    each rank reads exactly what it holds, and nothing is exchanged after.
+    trainer's sharding optimizer) is read for their runs, laid out like their tensor (with
+    parameters of several dtypes: for the optimizer's pieces, one after another):
+    each rank reads exactly what it holds, and nothing is exchanged after. Optimizer state
+    is read stream by stream (:class:`~._reads.Holding`).
 
     Into plain (pageable) host memory, also for a CUDA trainer: each byte crosses to
     the device once, and page-locking it first would cost about as much as the faster

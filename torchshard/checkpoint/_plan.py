@@ -7,7 +7,8 @@ pieces: parts of the tensors the optimizer updates, and zeros between them
 (alignment padding, frozen parameters). :func:`plan_share` computes one
 rank's share from element offsets alone, so it is unit-tested without a
 process group; load and the offline tools use the same ranges, intersected
-with :func:`overlap`.
+with :func:`overlap`. Positions are the flat buffer's: bytes when the parameters have
+several dtypes (``layout.mixed``; what each range holds of each dtype: ``_streams``).
 """
 
 from __future__ import annotations

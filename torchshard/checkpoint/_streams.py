@@ -17,6 +17,8 @@ Pure arithmetic on a layout, and the JSON of ``optimizer.flat_state``.
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -156,9 +158,9 @@ class Held:
 
     def position(self, a: int) -> int:
         """Where flat position ``a`` (of a trainable parameter) lies in it."""
-        for pa, pb, c in self.parts:
-            if pa <= a < pb:
-                return c + (a - pa) // self.width
+        k = bisect.bisect_right(self.parts, (a, math.inf)) - 1  # the part starting at or before
+        if k >= 0 and a < self.parts[k][1]:
+            return self.parts[k][2] + (a - self.parts[k][0]) // self.width
         raise ValueError(f"a: expected a position of a trainable parameter, got {a}")
 
 
