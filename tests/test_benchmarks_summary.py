@@ -289,10 +289,11 @@ def test_the_fully_sharded_mode_is_measured_only_where_it_runs(tree: Path) -> No
     results = measured_in(tree)
     assert "torchshard/_parallel/full.py" not in results["trainer"]["measured"]
     write(tree, "torchshard/_parallel/full.py", "v2\n")
-    assert stale_names(freshness.stale(results, tree)) == {"sharded", "full", "lora"}
+    assert stale_names(freshness.stale(results, tree)) == {"sharded", "full", "lora", "mixed"}
     write(tree, "torchshard/_parallel/x.py", "v2\n")  # the trainer core: every mode
     problems = freshness.stale(results, tree)
-    assert stale_names(problems) == {"trainer", "sharded", "full", "checkpoint", "lora"}, problems
+    want = {"trainer", "sharded", "full", "checkpoint", "lora", "mixed"}
+    assert stale_names(problems) == want, problems
 
 
 def test_a_module_that_becomes_a_package_is_still_measured(tree: Path) -> None:
@@ -301,7 +302,7 @@ def test_a_module_that_becomes_a_package_is_still_measured(tree: Path) -> None:
     write(tree, "torchshard/_parallel/full/__init__.py", "v1\n")
     write(tree, "torchshard/_parallel/full/storage.py", "v1\n")
     problems = freshness.stale(results, tree)
-    assert stale_names(problems) == {"sharded", "full", "lora"}, problems
+    assert stale_names(problems) == {"sharded", "full", "lora", "mixed"}, problems
     sharded = next(p for p in problems if p.startswith("sharded.json"))
     assert "torchshard/_parallel/full.py (gone)" in sharded
     assert "torchshard/_parallel/full/storage.py (new)" in sharded
@@ -330,7 +331,8 @@ def test_no_git_is_needed(tree: Path, tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("PATH", str(tmp_path))  # no git on PATH; the tree is no repository
     assert freshness.stale(results, tree) == []
     write(tree, "examples/gpt.py", "v2\n")  # every benchmark of the example's GPT
-    assert stale_names(freshness.stale(results, tree)) == set(summary.FILES) - {"scale", "lora"}
+    not_gpt = {"scale", "lora", "mixed"}
+    assert stale_names(freshness.stale(results, tree)) == set(summary.FILES) - not_gpt
 
 
 def test_stale_cli_exits_1_naming_each_result_and_0_when_fresh(tmp_path: Path) -> None:

@@ -58,6 +58,8 @@ MEASURES: dict[str, tuple[str, ...]] = {
     ),
     # a PEFT Llama (transformers, peft: not hashed, as torch is not) in every mode
     "lora": ("benchmarks/bench_lora.py", *_ALL_MODES, "benchmarks/_common.py"),
+    # a transformers Llama in bf16 with fp32 norms (not hashed, as torch is not), every mode
+    "mixed": ("benchmarks/bench_mixed.py", *_ALL_MODES, "benchmarks/_common.py"),
 }
 
 

@@ -2,7 +2,8 @@
 
 flat.json (bench_flat.py), trainer.json (bench_trainer.py), sharded.json (bench_sharded.py),
 full.json (bench_full.py), checkpoint.json (bench_checkpoint.py), scale.json (scale.py),
-lora.json (bench_lora.py) and run.json (run_all.py: the command, its wall time).
+lora.json (bench_lora.py), mixed.json (bench_mixed.py) and run.json (run_all.py: the
+command, its wall time).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent.parent
 RESULTS = REPO / "benchmarks" / "results"
-FILES = ("flat", "trainer", "sharded", "full", "checkpoint", "scale", "lora")
+FILES = ("flat", "trainer", "sharded", "full", "checkpoint", "scale", "lora", "mixed")
 RUN = "run"  # run.json: written by run_all.py
 COMMAND = "python benchmarks/run_all.py"
 

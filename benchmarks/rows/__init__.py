@@ -6,7 +6,7 @@ A new benchmark adds its module here and its rows to :data:`ROWS`, in table orde
 
 from __future__ import annotations
 
-from . import checkpoint, flat, full, lora, scale, sharded, trainer
+from . import checkpoint, flat, full, lora, mixed, scale, sharded, trainer
 
 ROWS = (
     *flat.ROWS,
@@ -15,5 +15,6 @@ ROWS = (
     *full.ROWS,
     *checkpoint.ROWS,
     *lora.ROWS,
+    *mixed.ROWS,
     *scale.ROWS,
 )
