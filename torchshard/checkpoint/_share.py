@@ -141,13 +141,18 @@ class _Items:
             self.weights = Item("weights", torch.Size([end - self.base]), fm.dtype, weights)
         self.optim: list[tuple[str, torch.dtype, list[Item | int]]] = []
         if view is not None and plan.state_ranges:
-            # the optimizer holds whole parameters, or local shards that hold what the file
-            # stores of the range
-            stored = stored_parts(fm.layout, *plan.state_range)
+            # the optimizer holds whole parameters, or every rank's local shards hold what
+            # its file stores of its range (else every rank takes part in the exchange: the
+            # same answer on every rank, from their cuts)
+            every = [
+                t.covers((a, b), q)
+                for q, r in enumerate(plan.state_ranges)
+                for a, b, _ in stored_parts(fm.layout, *r)
+            ]
             if fm.layout.mixed:  # the sharded trainer's slices are the files' ranges
                 _check_in_place(t, view, plan)
                 self._state_in_place(view)
-            elif not t.owns_state(view.optimizer) or all(t.covers((a, b)) for a, b, _ in stored):
+            elif not t.owns_state(view.optimizer) or all(every):
                 self._state_in_place(view)
             else:
                 self._state_exchanged(view)

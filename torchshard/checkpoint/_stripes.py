@@ -63,16 +63,18 @@ class Stripes:
         tensor's ``[at, at + end - start)``."""
         return self.shards.runs
 
-    def covers(self, span: tuple[int, int]) -> bool:
-        """Whether this rank's runs hold every flat element of ``span`` (an empty one: yes).
+    def covers(self, span: tuple[int, int], rank: int | None = None) -> bool:
+        """Whether rank ``rank``'s runs (default: this rank's) hold every flat element of
+        ``span`` (an empty one: yes). Every rank's cuts are data: no exchange.
 
         Example::
 
             shards = LocalShards(t, ((0, 8, 0),), ((0, 16),), (((0, 8), (8, 16)),))
             Stripes(shards, None, 0, 2).covers((0, 8))  # True: rank 0 holds [0, 8)
         """
+        q = self.rank if rank is None else rank
         pos, end = span
-        for a, b, _ in sorted(self.runs):
+        for a, b in sorted(every[q] for every in self.shards.every):
             if a <= pos < b:
                 pos = b
         return pos >= end

@@ -100,10 +100,10 @@ class Target:
             and self.trainer.optimizer is optimizer
         )
 
-    def covers(self, span: tuple[int, int]) -> bool:
-        """Whether this rank holds every flat element of ``span`` of what its optimizer
-        updates (its local shards' runs; without local shards, every element)."""
-        return self.stripes is None or self.stripes.covers(span)
+    def covers(self, span: tuple[int, int], rank: int | None = None) -> bool:
+        """Whether rank ``rank`` (default: this one) holds every flat element of ``span`` of
+        what its optimizer updates (its local shards' runs; without them, every element)."""
+        return self.stripes is None or self.stripes.covers(span, rank)
 
     def trainer_segments(
         self, optimizer: torch.optim.Optimizer
