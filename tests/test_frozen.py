@@ -352,3 +352,20 @@ def test_a_checkpoint_of_the_adapters_alone_resumes_over_the_base(tmp_path, save
         assert r == [], r
     with pytest.raises(checkpoint.CheckpointError, match="saved with frozen=False"):
         checkpoint.consolidate(path, tmp_path / "model.safetensors")
+
+
+def test_a_reshard_of_the_adapters_alone_keeps_its_format_version(tmp_path):
+    """A ``frozen=False`` checkpoint without optimizer state is version 3 (its model files
+    leave frozen weights out), and so is its offline reshard: a reader of version 2 would
+    take the missing base for a corrupt checkpoint, not for one that leaves it out."""
+    import json
+
+    torch.manual_seed(0)
+    fm = FlatParamModule(LoRANet())
+    fm.bind(torch.empty(fm.numel))
+    fm.init_weights()
+    path = checkpoint.save(tmp_path / "ckpt", fm, step=1, frozen=False)
+    again = checkpoint.reshard(path, tmp_path / "re", 2)
+    for p in (path, again):
+        meta = json.loads((p / "metadata.json").read_text())
+        assert meta["format_version"] == 3 and meta["weights"]["frozen"] is False, p

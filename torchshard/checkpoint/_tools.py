@@ -401,7 +401,10 @@ def _resharded_metadata(
 ) -> dict[str, Any]:
     """``metadata.json`` of the resharded checkpoint, without its ``files``."""
     raw = {k: v for k, v in meta.raw.items() if k != "files"}
+    # version 3 when the optimizer files store the trainable runs alone or the model files
+    # leave the frozen weights out (as the save wrote it)
     sparse = meta.optim is not None and meta.optim.trainable_only
+    sparse = sparse or not holds_frozen(meta.raw)
     version = SPARSE_VERSION if sparse else DENSE_VERSION
     raw["format_version"] = MIXED_VERSION if meta.layout.mixed else version
     raw["world_size"] = world
