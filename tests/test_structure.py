@@ -163,7 +163,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
     "checkpoint._plan": {"_flat.geometry", "_flat.layout"},
     # flat optimizer state as streams: per key, or per key and parameter dtype
     "checkpoint._streams": {"_flat.layout", "checkpoint._plan", "checkpoint._rules"},
-    "checkpoint._stripes": {"_parallel.state", "checkpoint._plan"},
+    "checkpoint._stripes": {"_parallel.state", "checkpoint._plan", "checkpoint._streams"},
     "checkpoint._format": {
         "_errors",
         "_flat.layout",
@@ -201,6 +201,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "checkpoint._target",
     },
     "checkpoint._reads": {
+        "_flat.layout",
         "checkpoint._metadata",
         "checkpoint._optim",
         "checkpoint._plan",
@@ -219,6 +220,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "checkpoint._plan",
         "checkpoint._staging",
         "checkpoint._streams",
+        "checkpoint._stripes",
         "checkpoint._target",
     },
     "checkpoint._save": {

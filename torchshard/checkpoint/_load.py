@@ -31,7 +31,16 @@ from ._format import METADATA, complete_checkpoints, resolve, saved_slots
 from ._metadata import Metadata, Readers, layout_difference, read_metadata
 from ._optim import MASTER, OptimizerView, group_problem, restore_group_values
 from ._plan import gather_ranges, overlap
-from ._reads import Holding, Parts, packed, read_state, zero_gaps
+from ._reads import (
+    Holding,
+    Parts,
+    gather_parts,
+    live_weights,
+    packed,
+    packed_bytes,
+    read_state,
+    zero_gaps,
+)
 from ._rules import OPTIMIZER_RULES
 from ._streams import Stream
 from ._target import Checkpointable, CheckpointInfo, Target
@@ -127,6 +136,8 @@ def _read_share(
     layout = t.fm.layout
     equal = packed(gather_ranges(layout.numel, t.world, t.rank))
     shards = (list(t.stripes.runs), t.stripes.tensor.numel()) if t.stripes else ([], 0)
+    if t.stripes and not t.fm.is_bound and layout.mixed:  # the runs' bytes, back to back
+        shards = packed_bytes(t.stripes.runs)
     mine, numel = (equal, sum(b - a for a, b, _ in equal)) if t.fm.is_bound else shards
     own = t.owns_state(optimizer)
     weights = torch.empty(numel, dtype=layout.torch_dtype)
@@ -145,7 +156,7 @@ def _read_share(
                 written.append((at + a - rs, at + b - rs))
                 if slot.name not in saved:  # saved with frozen=False: the model's own stays
                     assert live is not None
-                    dst.copy_(live[a:b] if t.fm.is_bound else live[at + a - rs : at + b - rs])
+                    dst.copy_(live_weights(t, live, slot, a, b, at - rs))
                     continue
                 readers.entry(shard["file"], slot.name, slot.torch_dtype, slot.shape)
                 read = readers[shard["file"]]  # a mixed buffer holds bytes: read bytes
@@ -204,24 +215,6 @@ def _agree(t: Target, error: str | None, path: Path) -> _Refusal | None:
 BROADCAST_BACKENDS = frozenset({"gloo"})
 
 
-def _gather_parts(full: torch.Tensor, b: int, t: Target, *, by_broadcast: bool) -> list[dist.Work]:
-    """Start exchanging every rank's part ``[r * b, (r + 1) * b)`` of ``full``, so that every
-    rank holds ``full[:world * b]``: one in-place all-gather (NCCL's in-place condition), or
-    one broadcast per rank; their handles, not waited for."""
-    if t.world == 1 or b == 0:
-        return []
-    if by_broadcast:
-        return [
-            dist.broadcast(
-                full[q * b : (q + 1) * b], t.global_rank(q), group=t.group, async_op=True
-            )
-            for q in range(t.world)
-        ]
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    mine = full[t.rank * b : (t.rank + 1) * b]
-    return [gather(full[: t.world * b], mine, group=t.group, async_op=True)]
-
-
 def _to_shards(t: Target, view: OptimizerView | None = None) -> None:
     """The flat buffer was loaded: the local shards' tensor, if one of its own, follows. With
     parameters of several dtypes, each tensor the optimizers update (``view``'s, the
@@ -252,7 +245,7 @@ def _apply(
         then the exchange of the rest, started, not waited for."""
         for a, b, at in packed(gather_ranges(n, t.world, t.rank)) if mine is not None else ():
             full[a:b].copy_(mine[at : at + b - a], non_blocking=True)
-        pending.extend(_gather_parts(full, n // t.world, t, by_broadcast=by_broadcast))
+        pending.extend(gather_parts(full, n // t.world, t, by_broadcast=by_broadcast))
 
     flat = t.fm.flat_param
     if flat is not None:
@@ -260,7 +253,10 @@ def _apply(
     else:  # read for the local shards' runs, laid out like their tensor; in its dtype: a bf16
         # buffer's fp32 master is the bf16 weights until a saved master overrides it below
         assert t.stripes is not None
-        t.stripes.tensor.copy_(share.weights)
+        if layout.mixed:  # each run's bytes into its elements
+            t.stripes.copy_from_bytes(share.weights, share.parts)
+        else:
+            t.stripes.tensor.copy_(share.weights)
     live = t.buffers()
     for name, value in share.buffers.items():
         live[name].copy_(value)

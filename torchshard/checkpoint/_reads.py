@@ -5,18 +5,29 @@ files store into the place the live optimizer holds it (:class:`Holding`)."""
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
+from .._flat.layout import ParamSlot
 from ._metadata import Metadata, Readers
 from ._optim import OptimizerView
 from ._plan import gather_ranges, overlap
 from ._streams import Held, Stream, stream_parts
 from ._target import Target
 
-__all__ = ["Holding", "Parts", "packed", "read_state", "zero_gaps"]
+__all__ = [
+    "Holding",
+    "Parts",
+    "gather_parts",
+    "live_weights",
+    "packed",
+    "packed_bytes",
+    "read_state",
+    "zero_gaps",
+]
 
 Parts = list[tuple[int, int, int]]
 """``(start, end, at)``: flat positions ``[start, end)`` are elements ``[at, ...)`` of what is
@@ -115,3 +126,47 @@ class Holding:
         parts = [(a, b, at + pos - x) for x, y, at in equal for a, b, pos in held.reads(x, y)]
         direct = [(a, b, pos) for x, y, _ in equal for a, b, pos in held.reads(x, y)]
         return cls(parts, sum(y - x for x, y, _ in equal), held.numel, held.position, direct)
+
+
+def packed_bytes(runs: Sequence[tuple[int, int, int]]) -> tuple[list[tuple[int, int, int]], int]:
+    """Local shards' runs of a buffer of several dtypes (bytes), laid out one after another
+    in bytes (their tensor holds elements): ``(a, b, at)`` and the bytes in all."""
+    out, at = [], 0
+    for a, b, _ in runs:
+        out.append((a, b, at))
+        at += b - a
+    return out, at
+
+
+def live_weights(
+    t: Target, live: torch.Tensor, slot: ParamSlot, a: int, b: int, shift: int
+) -> torch.Tensor:
+    """Flat ``[a, b)`` of ``slot`` as the live model holds it (a checkpoint saved without its
+    frozen weights keeps the model's own): in the buffer, or in the local shards' tensor
+    (``shift``: from a flat position to its place there; a buffer of several dtypes: its
+    elements, cast to the slot's dtype, as bytes)."""
+    if t.fm.is_bound:
+        return live[a:b]
+    if not t.fm.layout.mixed:
+        return live[a + shift : b + shift]
+    assert t.stripes is not None
+    at = t.stripes.position(a)
+    return live[at : at + (b - a) // slot.width].to(slot.torch_dtype).view(torch.uint8)
+
+
+def gather_parts(full: torch.Tensor, b: int, t: Target, *, by_broadcast: bool) -> list[dist.Work]:
+    """Start exchanging every rank's part ``[r * b, (r + 1) * b)`` of ``full``, so that every
+    rank holds ``full[:world * b]``: one in-place all-gather (NCCL's in-place condition), or
+    one broadcast per rank; their handles, not waited for."""
+    if t.world == 1 or b == 0:
+        return []
+    if by_broadcast:
+        return [
+            dist.broadcast(
+                full[q * b : (q + 1) * b], t.global_rank(q), group=t.group, async_op=True
+            )
+            for q in range(t.world)
+        ]
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    mine = full[t.rank * b : (t.rank + 1) * b]
+    return [gather(full[: t.world * b], mine, group=t.group, async_op=True)]

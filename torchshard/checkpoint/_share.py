@@ -20,6 +20,7 @@ without optimizer state) are counts, never items.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,8 @@ from ._format import build_metadata, step_dir
 from ._optim import OptimizerView
 from ._plan import Piece, SharePlan, plan_share, stored_parts
 from ._staging import Copy
-from ._streams import Stream, typed
+from ._streams import Space, Stream, stream_parts, typed
+from ._stripes import Stripes
 from ._target import Target
 
 __all__ = ["Item", "Share", "collect"]
@@ -112,6 +114,26 @@ def _check_in_place(t: Target, view: OptimizerView, plan: SharePlan) -> None:
                 )
 
 
+def _fill_by_space(
+    mapped: Stripes,
+    dest: list[tuple[int, int]],
+    parts: list[tuple[int, int, torch.Tensor | None]],
+    stored: list[tuple[int, int, int]],
+    space: Space,
+    rank: int,
+    host: torch.Tensor,
+) -> None:
+    """One stream's state of this rank's file range, exchanged in the stream's space
+    (``mapped``: the stripes' cuts there) into the range whole, transiently, then the parts
+    the file stores (``stored``: flat ``(a, b, at)``) into ``host``."""
+    d0, d1 = dest[rank]
+    whole = torch.empty(d1 - d0, dtype=host.dtype)
+    mapped.assemble(dest, whole, parts)
+    for a, b, at in stored:
+        k, n = space.element(a) - d0, (b - a) // space.width
+        host[at : at + n].copy_(whole[k : k + n])
+
+
 class _Items:
     """The items of one share, from its plan: module buffers, weights, optimizer state."""
 
@@ -149,11 +171,12 @@ class _Items:
                 for q, r in enumerate(plan.state_ranges)
                 for a, b, _ in stored_parts(fm.layout, *r)
             ]
-            if fm.layout.mixed:  # the sharded trainer's slices are the files' ranges
-                _check_in_place(t, view, plan)
+            if not t.owns_state(view.optimizer) or all(every):
+                if fm.layout.mixed:  # the sharded trainer's slices are the files' ranges
+                    _check_in_place(t, view, plan)
                 self._state_in_place(view)
-            elif not t.owns_state(view.optimizer) or all(every):
-                self._state_in_place(view)
+            elif fm.layout.mixed:
+                self._state_exchanged_by_space(view)
             else:
                 self._state_exchanged(view)
 
@@ -191,6 +214,29 @@ class _Items:
                     host[at : at + b - a].copy_(whole[a - s0 : b - s0])
 
             self.optim.append((key, dtype, [Item(key, torch.Size([n]), dtype, fill)]))
+
+    def _state_exchanged_by_space(self, view: OptimizerView) -> None:
+        """:meth:`_state_exchanged` for parameters of several dtypes (the fully sharded
+        trainer's stripes): each stream exchanged in its own space (:class:`Space`), where
+        positions are its elements, then the parts the file stores picked out."""
+        t, layout = self.t, self.t.fm.layout
+        stripes, (s0, e0) = t.stripes, self.plan.state_range
+        assert stripes is not None
+        for stream in view.streams:
+            space, w = Space.of(layout, stream.param), stream.width
+            dest = [(space.element(a), space.element(b)) for a, b in self.plan.state_ranges]
+            parts = [
+                (space.element(seg.start), space.element(seg.end), view.source(seg, stream))
+                for seg in view.segments
+                if layout.slots[seg.slot].torch_dtype == stream.param
+            ]
+            stored = stream_parts(layout, s0, e0, None, stream.param)
+            n = sum((b - a) // w for a, b, _ in stored)
+            fill = functools.partial(
+                _fill_by_space, stripes.in_space(space), dest, parts, stored, space, t.rank
+            )
+            item = Item(stream.name, torch.Size([n]), stream.dtype, fill)
+            self.optim.append((stream.name, stream.dtype, [item]))
 
     def all(self) -> list[Item]:
         """Every item, in the order of the host memory: those copied from live tensors (the

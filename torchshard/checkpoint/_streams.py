@@ -32,6 +32,7 @@ from ._rules import Invalid, at, expect_dict, expect_dtype
 __all__ = [
     "MASTER",
     "Held",
+    "Space",
     "Stream",
     "canonical",
     "parse_flat_state",
@@ -162,6 +163,45 @@ class Held:
         if k >= 0 and a < self.parts[k][1]:
             return self.parts[k][2] + (a - self.parts[k][0]) // self.width
         raise ValueError(f"a: expected a position of a trainable parameter, got {a}")
+
+
+@dataclass(frozen=True)
+class Space:
+    """A stream's space seen from the buffer: which element of it each flat position of a
+    region of dtype ``param`` is (its regions one after another, in their elements).
+
+    Example::
+
+        space = Space.of(layout, torch.float32)
+        space.element(layout.regions[1].start)   # 0: the first fp32 region's first element
+    """
+
+    param: torch.dtype
+    starts: tuple[int, ...]  # the dtype's regions, flat
+    ends: tuple[int, ...]
+    ats: tuple[int, ...]  # where each begins in the space
+    width: int
+
+    @classmethod
+    def of(cls, layout: FlatLayout, param: torch.dtype) -> Space:
+        parts = typed(layout, [(0, layout.numel)], param)
+        return cls(
+            param,
+            tuple(a for _, a, _, _ in parts),
+            tuple(b for _, _, b, _ in parts),
+            tuple(at for *_, at in parts),
+            width(layout, param),
+        )
+
+    def element(self, a: int) -> int:
+        """The element at flat position ``a`` (inside or at the end of a region of the
+        dtype), or the next region's first one (elsewhere: before it)."""
+        k = bisect.bisect_right(self.starts, a) - 1
+        if k >= 0 and a <= self.ends[k]:
+            return self.ats[k] + (a - self.starts[k]) // self.width
+        if k + 1 < len(self.starts):
+            return self.ats[k + 1]
+        return self.ats[-1] + (self.ends[-1] - self.starts[-1]) // self.width if self.ats else 0
 
 
 # -- optimizer.flat_state in metadata.json ------------------------------------------------------

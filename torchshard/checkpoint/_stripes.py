@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .._parallel.state import LocalShards
 from ._plan import exchange_splits, overlap
+from ._streams import Space
 
 __all__ = ["Stripes"]
 
@@ -42,9 +43,17 @@ class Stripes:
     """
 
     def __init__(
-        self, shards: LocalShards, group: dist.ProcessGroup | None, rank: int, world: int
+        self,
+        shards: LocalShards,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world: int,
+        dtypes: list[torch.dtype] | None = None,
     ) -> None:
         self.shards, self.group, self.rank, self.world = shards, group, rank, world
+        self.dtypes = dtypes
+        """Each region's dtype where the buffer is bytes of several (its positions are bytes,
+        the tensor's elements that dtype's); ``None``: positions are the tensor's elements."""
         self.starts = [a for a, _ in shards.regions]
         self.end = shards.regions[-1][1] if shards.regions else 0
         # where region k's run starts in the tensor (its runs come in region order; a region
@@ -88,7 +97,22 @@ class Stripes:
     def position(self, a: int) -> int:
         """Where flat element ``a`` (in one of this rank's runs) lies in the tensor."""
         k = self.region_of(a)
-        return a - self.shards.every[k][self.rank][0] + self.at[k]
+        return (a - self.shards.every[k][self.rank][0]) // self._width(k) + self.at[k]
+
+    def _width(self, k: int) -> int:
+        return self.dtypes[k].itemsize if self.dtypes is not None else 1
+
+    def in_space(self, space: Space) -> Stripes:
+        """The same cuts in a stream's space (:class:`~._streams.Space`): only the regions
+        of its dtype, in its elements; for an exchange of that stream's state."""
+        assert self.dtypes is not None
+        regions, every = [], []
+        for k, (region, cuts) in enumerate(zip(self.shards.regions, self.shards.every)):
+            if self.dtypes[k] == space.param:
+                regions.append(tuple(space.element(x) for x in region))
+                every.append([tuple(space.element(x) for x in c) for c in cuts])
+        mapped = LocalShards.of(self.tensor, regions, every, self.rank, [0] * len(regions))
+        return Stripes(mapped, self.group, self.rank, self.world)
 
     # -- a load ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -100,6 +124,17 @@ class Stripes:
             return  # loaded already
         for a, b, at in self.runs:
             tensor[at : at + b - a].copy_(flat[a:b])
+
+    @torch.no_grad()
+    def copy_from_bytes(self, host: torch.Tensor, packed: list[tuple[int, int, int]]) -> None:
+        """A buffer of several dtypes: copy this rank's runs, read as bytes one after another
+        into ``host`` (``packed``: each run's ``(a, b, at)``, ``at`` in bytes), into the
+        tensor's elements, each in its region's dtype."""
+        assert self.dtypes is not None
+        for (a, b, at), (_, _, byte) in zip(self.runs, packed):
+            dtype = self.dtypes[self.region_of(a)]
+            n = (b - a) // dtype.itemsize
+            self.tensor[at : at + n].copy_(host[byte : byte + b - a].view(dtype))
 
     # -- a save ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -123,6 +158,10 @@ class Stripes:
         tensor = self.tensor
 
         def send(k: int, a: int, b: int) -> torch.Tensor:
+            if parts is None and self.dtypes is not None:  # bytes, from elements of dtype k
+                n = (b - a) // self._width(k)
+                typed = tensor[self.at[k] : self.at[k] + n].to(self.dtypes[k])
+                return typed.view(torch.uint8)
             if parts is None:
                 return tensor[self.at[k] : self.at[k] + b - a].to(out.dtype)
             mine = torch.zeros(b - a, dtype=out.dtype, device=tensor.device)

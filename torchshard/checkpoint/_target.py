@@ -71,16 +71,16 @@ class Target:
         # What this rank's optimizer updates, when it is not every whole weight; without a
         # flat buffer (shard="full"), all this rank holds of the weights.
         shards = self.trainer.local_shards() if self.trainer is not None else None
-        self.stripes = (
-            None if shards is None else Stripes(shards, self.group, self.rank, self.world)
+        layout = self.fm.layout
+        # a buffer of several dtypes: each region's (its positions bytes, its elements typed)
+        dtypes = (
+            [layout.region_of(a).dtype for a, _ in shards.regions]
+            if shards is not None and layout.mixed
+            else None
         )
-        if not self.fm.is_bound and self.fm.layout.mixed:
-            dtypes = ", ".join(str(d).removeprefix("torch.") for d in self.fm.dtypes)
-            raise CheckpointError(
-                f"trainer: a checkpoint of parameters of several dtypes ({dtypes}) is saved "
-                "and loaded through the flat buffer, which a fully sharded trainer does not "
-                "hold: use shard=True or shard=False"
-            )
+        self.stripes = (
+            None if shards is None else Stripes(shards, self.group, self.rank, self.world, dtypes)
+        )
         if not self.fm.is_bound and self.stripes is None:
             raise CheckpointError(
                 "trainer: the FlatParamModule is not bound to a buffer yet (or a fully "
