@@ -51,11 +51,11 @@ import warnings
 import torch
 import torch.distributed as dist
 from _common import fmt_bytes, format_table, machine_info, run_ranks, write_json
+from _interleaved import Stepper, interleave, loss_diff, per_step, speed_report
 from report.freshness import hashes
-from report.stats import spread_text, verdict
-from torch.nn.parallel import DistributedDataParallel as DDP
+from report.stats import verdict
 
-from torchshard import DistributedTrainer, FlatParamModule, plan_memory
+from torchshard import FlatParamModule, plan_memory
 
 WORLD, BATCH, BLOCK = 2, 4, 128
 SMALL = dict(
@@ -127,36 +127,13 @@ def gradient_bytes(plan: dict, before: dict) -> int:
     return plan["master"] - before["master"] // 2
 
 
-class Config:
-    """One configuration: the PEFT model, its wrapper (DDP or a trainer) and its optimizer."""
+class Config(Stepper):
+    """One configuration: the PEFT model in DDP or a trainer, and its AdamW."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.trainer = name, None
         model = peft_llama(SMALL, LORA)
         self.trainable = trainable_numel(model)
-        if name == "ddp":
-            self.net = DDP(model)
-            self.opt = torch.optim.AdamW(
-                [p for p in model.parameters() if p.requires_grad], **ADAMW
-            )
-            self.zero, self.update = self.opt.zero_grad, self.opt.step
-        else:
-            fm = FlatParamModule(model)
-            self.trainer = DistributedTrainer(fm, shard=MODES[name])
-            self.net = fm
-            self.opt = self.trainer.make_optimizer(torch.optim.AdamW, **ADAMW)
-            self.zero, self.update = self.trainer.zero_grad, self.trainer.step
-
-    def step(self, x: torch.Tensor) -> tuple[float, float, float]:
-        """One step after a barrier: wall and CPU seconds, and the loss (read after)."""
-        dist.barrier()
-        c0, t0 = time.process_time(), now()
-        self.zero()
-        loss = self.net(input_ids=x, labels=x).loss
-        loss.backward()
-        self.update()
-        c1, t1 = time.process_time(), now()
-        return t1 - t0, c1 - c0, loss.item()
+        super().__init__(name, model, None if name == "ddp" else MODES[name], ADAMW)
 
     def memory(self) -> dict:
         """memory_stats() on this rank beside what the issue compares it with."""
@@ -183,27 +160,11 @@ def run(opts: argparse.Namespace) -> dict:
         for _ in range(opts.warmup + opts.steps)
     ]
     configs = {name: Config(name) for name in CONFIGS}
-    names = list(configs)
-    wall: dict[str, list[float]] = {n: [] for n in names}
-    cpu: dict[str, list[float]] = {n: [] for n in names}
-    losses: dict[str, list[float]] = {n: [] for n in names}
-    for i, x in enumerate(batches):
-        k = i % len(names)
-        for name in names[k:] + names[:k]:  # rotated every step
-            w, c, loss = configs[name].step(x)
-            losses[name].append(loss)
-            if i >= opts.warmup:
-                wall[name].append(w)
-                cpu[name].append(c)
+    timed = interleave(list(configs.values()), batches, opts.warmup)
     memory = {name: configs[name].memory() for name in MODES}
     for name in MODES:
         configs[name].trainer.close()
-    return {"wall": wall, "cpu": cpu, "losses": losses, "memory": memory}
-
-
-def per_step(ranks: list[dict], kind: str, name: str) -> list[float]:
-    """One sample per step: the max over ranks."""
-    return [max(x) for x in zip(*(r[kind][name] for r in ranks))]
+    return {**timed, "memory": memory}
 
 
 def measured_memory(ranks: list[dict]) -> dict:
@@ -276,29 +237,13 @@ def main() -> None:
     t_start, machine, code = now(), machine_info(), hashes("lora")
     ranks = run_ranks(run, WORLD, opts, timeout_s=opts.timeout)
 
-    rows = []
-    for name in CONFIGS:
-        cells = [
-            spread_text([1e3 * v for v in per_step(ranks, k, name)], 1, "") for k in ("wall", "cpu")
-        ]
-        diff = max(abs(a - b) for r in ranks for a, b in zip(r["losses"][name], r["losses"]["ddp"]))
-        rows.append((name, *cells, f"{diff:.2e}"))
     title = (
         f"\n{WORLD} ranks, gloo, 1 thread/rank, PEFT Llama (hidden {SMALL['hidden_size']}, "
         f"{SMALL['num_hidden_layers']} layers, LoRA r={LORA['r']} on q_proj/v_proj), "
         f"{BATCH}x{BLOCK} tokens/rank, AdamW; {opts.steps} steps (+{opts.warmup} warm-up) of "
         "each, interleaved; per step the max over ranks, median (p10-p90)"
     )
-    print(format_table(["step time (ms)", "wall", "CPU", "max |loss - DDP|"], rows, title))
-    paired = {
-        f"{name}.step / ddp.step": {
-            kind: [a / b for a, b in zip(per_step(ranks, kind, name), per_step(ranks, kind, "ddp"))]
-            for kind in ("wall", "cpu")
-        }
-        for name in MODES
-    }
-    rows = [(k, spread_text(v["wall"]), spread_text(v["cpu"])) for k, v in paired.items()]
-    print(format_table(["paired step ratio", "wall", "CPU"], rows, "\nmedian (p10-p90) over steps"))
+    paired = speed_report(ranks, CONFIGS, list(MODES), title)
 
     memory = measured_memory(ranks)
     rows = [
@@ -344,9 +289,7 @@ def main() -> None:
             "median_seconds": {
                 k: statistics.median(per_step(ranks, k, name)) for k in ("wall", "cpu")
             },
-            "max_abs_loss_diff_vs_ddp": max(
-                abs(a - b) for r in ranks for a, b in zip(r["losses"][name], r["losses"]["ddp"])
-            ),
+            "max_abs_loss_diff_vs_ddp": loss_diff(ranks, name),
         }
         for name in CONFIGS
     }

@@ -33,6 +33,7 @@ _TRAINER = (
 # wing but the fully sharded mode's.
 _BUCKET_MODES = (*_TRAINER, "torchshard/_parallel", "!torchshard/_parallel/full*")
 _ALL_MODES = (*_TRAINER, "torchshard/_parallel")
+_STEPS = "benchmarks/_interleaved.py"  # the DDP-paired stepping of bench_lora and bench_mixed
 
 # What each result measured: its own script, the library code it runs, the example model
 # and data it trains.
@@ -57,9 +58,9 @@ MEASURES: dict[str, tuple[str, ...]] = {
         "torchshard/checkpoint",
     ),
     # a PEFT Llama (transformers, peft: not hashed, as torch is not) in every mode
-    "lora": ("benchmarks/bench_lora.py", *_ALL_MODES, "benchmarks/_common.py"),
+    "lora": ("benchmarks/bench_lora.py", *_ALL_MODES, "benchmarks/_common.py", _STEPS),
     # a transformers Llama in bf16 with fp32 norms (not hashed, as torch is not), every mode
-    "mixed": ("benchmarks/bench_mixed.py", *_ALL_MODES, "benchmarks/_common.py"),
+    "mixed": ("benchmarks/bench_mixed.py", *_ALL_MODES, "benchmarks/_common.py", _STEPS),
 }
 
 
