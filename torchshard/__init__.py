@@ -10,7 +10,7 @@ from ._errors import (
     TorchShardError,
     UnwrittenBufferError,
 )
-from ._flat.layout import FlatLayout, ParamSlot
+from ._flat.layout import FlatLayout, ParamSlot, Region
 from ._flat.module import FlatParamModule
 from ._log import set_log_ranks
 from ._parallel.memory import RankMemory, plan_memory
@@ -36,6 +36,7 @@ __all__ = [
     "LocalShards",
     "MemoryStats",
     "ParamSlot",
+    "Region",
     "RankMemory",
     "RankMismatchError",
     "Replicate",
