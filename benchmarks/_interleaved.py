@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torchshard import DistributedTrainer, FlatParamModule
 
-__all__ = ["Stepper", "interleave", "per_step"]
+__all__ = ["Stepper", "interleave", "loss_diff", "per_step", "run_steppers", "speed_report"]
 
 
 class Stepper:
@@ -74,6 +74,22 @@ def interleave(
                 out["wall"][s.name].append(w)
                 out["cpu"][s.name].append(c)
     return out
+
+
+def run_steppers(
+    steppers: dict[str, Any], modes: Sequence[str], vocab: int, shape: tuple[int, int], opts: Any
+) -> dict:
+    """Every stepper on this rank on the same random token batches (``shape``, from a seed of
+    the rank), ``opts.warmup`` + ``opts.steps`` of them, interleaved; then each mode's
+    ``memory()`` and its trainer closed: times, losses, memory."""
+    gen = torch.Generator().manual_seed(1000 + dist.get_rank())
+    n = opts.warmup + opts.steps
+    batches = [torch.randint(0, vocab, shape, generator=gen) for _ in range(n)]
+    timed = interleave(list(steppers.values()), batches, opts.warmup)
+    memory = {name: steppers[name].memory() for name in modes}
+    for name in modes:
+        steppers[name].trainer.close()
+    return {**timed, "memory": memory}
 
 
 def per_step(ranks: list[dict], kind: str, name: str) -> list[float]:

@@ -51,7 +51,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from _common import fmt_bytes, format_table, machine_info, run_ranks, write_json
-from _interleaved import Stepper, interleave, loss_diff, per_step, speed_report
+from _interleaved import Stepper, loss_diff, per_step, run_steppers, speed_report
 from report.freshness import hashes
 from report.stats import verdict
 
@@ -153,18 +153,8 @@ class Config(Stepper):
 
 def run(opts: argparse.Namespace) -> dict:
     """Every configuration on this rank, interleaved step by step: times, losses, memory."""
-    rank = dist.get_rank()
-    gen = torch.Generator().manual_seed(1000 + rank)
-    batches = [
-        torch.randint(0, SMALL["vocab_size"], (BATCH, BLOCK), generator=gen)
-        for _ in range(opts.warmup + opts.steps)
-    ]
     configs = {name: Config(name) for name in CONFIGS}
-    timed = interleave(list(configs.values()), batches, opts.warmup)
-    memory = {name: configs[name].memory() for name in MODES}
-    for name in MODES:
-        configs[name].trainer.close()
-    return {**timed, "memory": memory}
+    return run_steppers(configs, list(MODES), SMALL["vocab_size"], (BATCH, BLOCK), opts)
 
 
 def measured_memory(ranks: list[dict]) -> dict:
