@@ -6,6 +6,8 @@ Stdlib only: rows of the benchmark table, read from the results by `summary.py`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from report.results import Results
 from report.stats import gib, mib, paired, pairs_of, verdict, wall_cpu
 from report.table import PAIRED, Cell, Row
@@ -73,17 +75,26 @@ def _computed_7b(r: Results) -> Cell:
     return cell, "met" if ok else "missed"
 
 
-def _step(r: Results) -> Cell:
-    p = paired(r, "lora", "ts_repl.step / ddp.step")
-    return f"{wall_cpu(p)}; {pairs_of(p, 'steps')}", verdict(p["wall"], 1.0)
+def step_cells(name: str) -> tuple[Callable[[Results], Cell], Callable[[Results], Cell]]:
+    """The cells of the step-vs-DDP rows of result ``name`` (``lora``, ``mixed``: the same
+    configurations, ``benchmarks/_interleaved.py``): the replicated mode against its target,
+    and the sharded modes as information."""
+
+    def replicated(r: Results) -> Cell:
+        p = paired(r, name, "ts_repl.step / ddp.step")
+        return f"{wall_cpu(p)}; {pairs_of(p, 'steps')}", verdict(p["wall"], 1.0)
+
+    def sharded(r: Results) -> Cell:
+        parts = []
+        for label, key in MODES[1:]:
+            p = paired(r, name, f"{key}.step / ddp.step")
+            parts.append(f"{label}: {wall_cpu(p)}")
+        return "; ".join(parts) + f"; {len(p['wall'])} steps", "-"
+
+    return replicated, sharded
 
 
-def _step_sharded(r: Results) -> Cell:
-    parts = []
-    for label, key in MODES[1:]:
-        p = paired(r, "lora", f"{key}.step / ddp.step")
-        parts.append(f"{label}: {wall_cpu(p)}")
-    return "; ".join(parts) + f"; {len(p['wall'])} steps", "-"
+_step, _step_sharded = step_cells("lora")
 
 
 ROWS = (

@@ -8,10 +8,10 @@ Stdlib only: rows of the benchmark table, read from the results by `summary.py`.
 from __future__ import annotations
 
 from report.results import Results
-from report.stats import paired, pairs_of, verdict, wall_cpu
 from report.table import PAIRED, Cell, Row
 
-MODES = (("replicated", "ts_repl"), ("`shard=True`", "ts_shard"), ('`shard="full"`', "ts_full"))
+from .lora import MODES, step_cells
+
 TARGET_BYTES = 1.01  # replicated gradients / the trainable parameters' bytes in their dtypes
 
 
@@ -88,17 +88,7 @@ def _losses(r: Results) -> Cell:
     return cell, "met" if diffs[0] == 0 else "missed"
 
 
-def _step(r: Results) -> Cell:
-    p = paired(r, "mixed", "ts_repl.step / ddp.step")
-    return f"{wall_cpu(p)}; {pairs_of(p, 'steps')}", verdict(p["wall"], 1.0)
-
-
-def _step_sharded(r: Results) -> Cell:
-    parts = []
-    for label, key in MODES[1:]:
-        p = paired(r, "mixed", f"{key}.step / ddp.step")
-        parts.append(f"{label}: {wall_cpu(p)}")
-    return "; ".join(parts) + f"; {len(p['wall'])} steps", "-"
+_step, _step_sharded = step_cells("mixed")
 
 
 ROWS = (
