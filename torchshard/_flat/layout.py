@@ -19,7 +19,15 @@ from torch import nn
 
 from .._errors import LayoutError
 
-__all__ = ["BYTES", "FlatLayout", "ParamSlot", "Region", "dtype_from_name", "dtype_name"]
+__all__ = [
+    "BYTES",
+    "FlatLayout",
+    "ParamSlot",
+    "Region",
+    "as_dtype",
+    "dtype_from_name",
+    "dtype_name",
+]
 
 _LAYOUT_FORMAT = 1
 _MIXED_FORMAT = 2  # slots of several dtypes: written only for such layouts
@@ -88,7 +96,7 @@ class ParamSlot:
             slot.view(fm.flat_param).dtype == slot.torch_dtype
         """
         piece = buffer[self.offset - base : self.end - base]
-        return _typed(piece, self.torch_dtype).view(self.shape)
+        return as_dtype(piece, self.torch_dtype).view(self.shape)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -112,7 +120,7 @@ class Region:
 
     def view(self, buffer: torch.Tensor, base: int = 0) -> torch.Tensor:
         """The region of ``buffer`` (which starts at position ``base``), typed."""
-        return _typed(buffer[self.start - base : self.end - base], self.dtype)
+        return as_dtype(buffer[self.start - base : self.end - base], self.dtype)
 
 
 @dataclass(frozen=True)
@@ -475,9 +483,14 @@ def _describe(s: ParamSlot) -> str:
     return f"{s.dtype}, shape {list(s.shape)} at offset {s.offset}{frozen}{tied}"
 
 
-def _typed(piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_dtype(piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A piece of a byte buffer seen as ``dtype``; any other buffer as it is (its values,
-    whatever their dtype: e.g. a gradient kept in the reduce dtype)."""
+    whatever their dtype: e.g. a gradient kept in the reduce dtype).
+
+    Example::
+
+        as_dtype(flat[a:b], torch.bfloat16)   # a mixed layout's bytes as bf16, else flat[a:b]
+    """
     return piece.view(dtype) if piece.dtype == torch.uint8 else piece
 
 

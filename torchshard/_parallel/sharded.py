@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .._flat.geometry import sliced_numel
-from .._flat.layout import FlatLayout
+from .._flat.layout import FlatLayout, as_dtype
 from .._flat.module import FlatParamModule
 from .buckets import Bucket
 from .comm import BucketComm, ReduceToOwner
@@ -82,9 +82,6 @@ class ShardedOptimizer(Mode):
             self._master_grad = torch.zeros_like(self._master)
             self._copy_master(ctx, into_master=True)
 
-    def _typed(self, t: torch.Tensor, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
-        return t[a:b] if t.dtype == dtype else t[a:b].view(dtype)
-
     def _in_master(self, a: int, b: int) -> tuple[int, int]:
         """Where gradient-space ``[a, b)`` (inside one part of the rank's slice) lies in the
         master or, without one, in the rank's slice."""
@@ -100,7 +97,7 @@ class ShardedOptimizer(Mode):
         assert self._master is not None
         space = self._space(ctx)
         for a, b, d, at in self._parts:
-            typed = self._typed(space, a, b, d)
+            typed = as_dtype(space[a:b], d)
             master = self._master[at : at + typed.numel()]
             (master.copy_(typed) if into_master else typed.copy_(master))
 
@@ -136,7 +133,7 @@ class ShardedOptimizer(Mode):
             wire = ctx.spec.dtype
             for a, b, d, at in self._parts:
                 if wire != self._master_grad.dtype or wire == d:  # not landed there
-                    typed = self._typed(ctx.grad, a, b, d)
+                    typed = as_dtype(ctx.grad[a:b], d)
                     self._master_grad[at : at + typed.numel()].copy_(typed)
             mine = self._master_grad
         ctx.spec.scale_after(mine)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..._flat.layout import Region
+from ..._flat.layout import Region, as_dtype
 from ..units import Unit, unit_geometry
 from .collectives import UnitComm
 
@@ -157,8 +157,7 @@ class UnitBuffers:
 
     def typed(self, t: torch.Tensor, u: int, a: int, b: int, d: torch.dtype) -> torch.Tensor:
         """Flat ``[a, b)`` of ``t``, a buffer laid out like unit ``u``'s, as ``d``."""
-        piece = t[a - self.units[u].start : b - self.units[u].start]
-        return piece.view(d) if piece.dtype == torch.uint8 else piece
+        return as_dtype(t[a - self.units[u].start : b - self.units[u].start], d)
 
     @torch.no_grad()
     def copy_stripe(self, u: int, *, into_buffer: bool) -> None:
