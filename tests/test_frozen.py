@@ -202,8 +202,57 @@ def test_lora_trains_like_ddp_with_gradients_for_the_adapters_only(
             assert r["master"] == 0, r
 
 
+# -- a bf16 model: no master copy of a frozen weight -----------------------------------------------
+def _bf16_lora(shard: bool | str) -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = LoRANet(width=64).to(torch.bfloat16)
+    frozen = {n: p.detach().clone() for n, p in net.named_parameters() if not p.requires_grad}
+    fm = FlatParamModule(net)
+    trainer = DistributedTrainer(fm, shard=shard, bucket_mb=0.002)
+    trainer.make_optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        x, y = data(rank, step)
+        trainer.zero_grad()
+        F.mse_loss(fm(x.bfloat16()).float(), y).backward()
+        trainer.step()
+    stats = trainer.memory_stats()
+    with trainer.gathered():
+        got = {n: p.detach().clone() for n, p in fm.module.named_parameters()}
+    trainer.close()
+    return {
+        "weights": got,
+        "frozen_changed": [n for n in frozen if not torch.equal(got[n], frozen[n])],
+        "stats": stats,
+        "frozen": sum(p.numel() for p in frozen.values()),
+        "trainable": sum(p.numel() for p in net.parameters() if p.requires_grad),
+    }
+
+
+def test_a_bf16_lora_fully_sharded_keeps_its_frozen_weights_in_bf16():
+    """shard="full" holds what trains in an fp32 master (and its gradient) and every frozen
+    weight in bf16 only, as shard=True does: 2 bytes per frozen element, not an fp32 stripe;
+    and it trains bitwise as shard=True (the same fp32 masters, the same bf16 sums)."""
+    full = run_distributed(_bf16_lora, 2, "full", timeout=120)
+    sharded = run_distributed(_bf16_lora, 2, True, timeout=120)
+    for f, s in zip(full, sharded):
+        assert f["frozen_changed"] == [] and s["frozen_changed"] == []
+        assert [n for n in f["weights"] if not torch.equal(f["weights"][n], s["weights"][n])] == []
+    frozen, trainable = full[0]["frozen"], full[0]["trainable"]
+    stats = [r["stats"] for r in full]
+    # the frozen weights, in bf16, once over the ranks (plus the padding of the units' stripes)
+    held = sum(st.parameters for st in stats)
+    assert 2 * frozen <= held <= 1.05 * 2 * frozen, (held, frozen)
+    # an fp32 master and its gradient of the trainable elements alone (alignment aside)
+    master = sum(st.master for st in stats)
+    assert 8 * trainable <= master <= 1.01 * 8 * trainable, (master, trainable)
+    assert sum(st.gradients for st in stats) == 0  # the master's gradient holds them
+
+
 # -- checkpoints -------------------------------------------------------------------------------
-def _net(model: str) -> LoRANet:
+def _net(model: str) -> nn.Module:
+    if model == "bf16":  # the LoRA model in bf16: fp32 masters of what trains alone
+        return LoRANet().to(torch.bfloat16)
     return LoRANet() if model == "lora" else frozen_first()
 
 
@@ -214,10 +263,11 @@ def _lora_save(
     fm = FlatParamModule(_net(model))
     trainer = DistributedTrainer(fm, shard=shard, bucket_mb=0.002)
     trainer.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    dtype = fm.dtype
     for step in range(3):
         x, y = data(dist.get_rank(), step)
         trainer.zero_grad()
-        F.mse_loss(fm(x), y).backward()
+        F.mse_loss(fm(x.to(dtype)).float(), y).backward()
         trainer.step()
     checkpoint.save(root, trainer, step=3, optimizer=trainer.optimizer, frozen=frozen)
     state = flat_state(trainer)
@@ -249,12 +299,18 @@ def _loaded_differences(net: nn.Module, root: str, shard: bool | str, snapshot: 
         ((3, "full"), (2, False), "lora"),
         ((2, False), (3, "full"), "lora"),
         ((2, True), (3, True), "frozen-first"),
+        ((2, "full"), (3, "full"), "bf16"),
+        ((3, "full"), (2, True), "bf16"),
+        ((2, True), (3, "full"), "bf16"),
     ],
     ids=[
         "sharded2-to-sharded3",
         "full3-to-replicated2",
         "replicated2-to-full3",
         "frozen-first-sharded2-to-sharded3",
+        "bf16-full2-to-full3",
+        "bf16-full3-to-sharded2",
+        "bf16-sharded2-to-full3",
     ],
 )
 def test_a_lora_checkpoint_resumes_bitwise_at_another_world_size_and_mode(
@@ -324,9 +380,9 @@ def test_a_lora_checkpoint_stores_optimizer_state_for_the_adapters_alone(tmp_pat
 
 
 # -- a checkpoint of the adapters alone ----------------------------------------------------------
-def _adapters_load(root: str, shard: bool | str, snapshot: str) -> list[str]:
+def _adapters_load(root: str, shard: bool | str, snapshot: str, model: str = "lora") -> list[str]:
     torch.manual_seed(0)  # the same base: as if loaded from its pretrained weights
-    model = LoRANet()
+    model = _net(model)
     with torch.no_grad():  # adapters and norms elsewhere: the load must bring them back
         for p in model.parameters():
             if p.requires_grad:
@@ -335,20 +391,25 @@ def _adapters_load(root: str, shard: bool | str, snapshot: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("save", "load"),
-    [((2, True), (3, "full")), ((3, "full"), (2, False))],
-    ids=["sharded2-to-full3", "full3-to-replicated2"],
+    ("save", "load", "model"),
+    [
+        ((2, True), (3, "full"), "lora"),
+        ((3, "full"), (2, False), "lora"),
+        ((2, "full"), (3, "full"), "bf16"),
+    ],
+    ids=["sharded2-to-full3", "full3-to-replicated2", "bf16-full2-to-full3"],
 )
-def test_a_checkpoint_of_the_adapters_alone_resumes_over_the_base(tmp_path, save, load):
+def test_a_checkpoint_of_the_adapters_alone_resumes_over_the_base(tmp_path, save, load, model):
     root, snapshot = str(tmp_path / "ckpt"), str(tmp_path / "state.pt")
-    run_distributed(_lora_save, save[0], root, save[1], snapshot, False, timeout=120)
+    run_distributed(_lora_save, save[0], root, save[1], snapshot, False, model, timeout=120)
     (path,) = (tmp_path / "ckpt").glob("step-*")
     weights = sum(f.stat().st_size for f in path.glob("model-*.safetensors"))
     state = sum(f.stat().st_size for f in path.glob("optim-*.safetensors"))
-    adapters = trainable_bytes(LoRANet())
+    adapters = trainable_bytes(LoRANet())  # fp32: a bf16 model's masters and state are
     # the adapters (and the trainable norms), their AdamW state; headers aside
     assert weights + state <= 1.05 * 3 * adapters + 4096 * save[0], (weights, state, adapters)
-    for r in run_distributed(_adapters_load, load[0], root, load[1], snapshot, timeout=120):
+    args = (root, load[1], snapshot, model)
+    for r in run_distributed(_adapters_load, load[0], *args, timeout=120):
         assert r == [], r
     with pytest.raises(checkpoint.CheckpointError, match="saved with frozen=False"):
         checkpoint.consolidate(path, tmp_path / "model.safetensors")

@@ -17,7 +17,14 @@ from multiprocess import run_distributed
 
 from torchshard import DistributedTrainer, FlatLayout, FlatParamModule, TorchShardError, plan_memory
 from torchshard._parallel.memory import PlanError, RankMemory, transient_bytes
-from torchshard._parallel.units import Unit, layout_units, resolve_units, unit_geometry
+from torchshard._parallel.units import (
+    Unit,
+    layout_units,
+    resolve_units,
+    stripe_parts,
+    unit_geometry,
+    unit_pieces,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_70B = ROOT / "docs" / "configs" / "llama-2-70b.json"
@@ -70,16 +77,63 @@ def test_persistent_rows_are_the_stripes(world, dtype):
                     pieces[q] += 1
     assert sum(elements) == sum(s.numel for s in layout if s.requires_grad)
     assert [r.optimizer for r in plan] == [8 * e + 4 * p for e, p in zip(elements, pieces)]
+    # what trains is held in fp32 with its gradient: the layout's runs of trainable slots
+    # (the gap to the next trainable slot too) cut by the units; the rest of the stripes
+    # (frozen weights, other gaps, padding) in the buffer's dtype only (issue 21: no master
+    # copy of a frozen weight)
+    trained = [0] * world
+    for u, g in zip(units, geoms):
+        for i in range(u.lo, u.hi):
+            s = layout.slots[i]
+            if not s.requires_grad:
+                continue
+            nxt = layout.slots[i + 1] if i + 1 < len(layout.slots) else None
+            end = min(nxt.offset, u.end) if nxt is not None and nxt.requires_grad else s.end
+            for e in range(s.offset, end):
+                trained[g.owner(e)] += 1
+    assert sum(trained) < world * stripe
     for r in plan:
-        # gradients for the trainable parts of the stripes only (issue 21)
-        grads = 4 * elements[r.rank]
+        m, rest = trained[r.rank], stripe - trained[r.rank]
         if dtype == "float32":  # the shard is the weights the optimizer updates
-            assert (r.parameters, r.gradients, r.master) == (4 * stripe, grads, 0)
-        else:  # the fp32 master stripes and their gradient; no bf16 shard persists
-            assert (r.parameters, r.gradients, r.master) == (0, 0, 4 * stripe + grads)
+            assert (r.parameters, r.gradients, r.master) == (4 * stripe, 4 * m, 0)
+        else:  # the fp32 master of what trains and its gradient; the frozen part in bf16
+            assert (r.parameters, r.gradients, r.master) == (2 * rest, 0, 8 * m)
         assert r.persistent == r.parameters + r.gradients + r.optimizer + r.master
         assert r.total == r.persistent + r.transient
         assert r.as_dict()["transient"] == r.transient > 0
+
+
+@pytest.mark.parametrize("frozen", [(), (1,), (0, 2, 3)])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_the_ranks_parts_and_rests_tile_each_unit(world, frozen):
+    """Every position of a padded unit is in exactly one rank's stripe, either in a part
+    (the master's: every trainable element, of its dtype) or in the rest (never a trainable
+    element); without frozen parameters there is no rest."""
+    layout = _layout([1000, 37, 4096, 999], root=(5, 70), frozen=frozen)
+    for u in layout_units(layout):
+        g = unit_geometry(u, world, layout.align)
+        pieces = unit_pieces(layout, u, g)
+        seen = [0] * g.total
+        master = set()
+        for q in range(world):
+            parts, rest = stripe_parts(pieces, *g.range(q))
+            assert parts == sorted(parts) and all(d == torch.bfloat16 for *_, d in parts)
+            for a, b in [(a, b) for a, b, _ in parts] + rest:
+                for e in range(a, b):
+                    seen[e - g.start] += 1
+            master |= {e for a, b, _ in parts for e in range(a, b)}
+            assert rest == [] or frozen, (q, rest)
+        assert seen == [1] * g.total, u.name
+        trains = {
+            e for s in layout.slots[u.lo : u.hi] if s.requires_grad for e in range(s.offset, s.end)
+        }
+        frozen_elements = {
+            e
+            for s in layout.slots[u.lo : u.hi]
+            if not s.requires_grad
+            for e in range(s.offset, s.end)
+        }
+        assert trains <= master and not frozen_elements & master, u.name
 
 
 def test_one_rank_holds_every_piece():

@@ -44,7 +44,7 @@ def _unit_parts(native: bool) -> dict:
     layout = FlatLayout.from_module(model, align_bytes=4)
     units = resolve_units(model, layout)
     comm = UnitComm(None, torch.device("cpu"), native=native)
-    storage = UnitBuffers(units, layout.align, torch.float32, torch.float32, comm)
+    storage = UnitBuffers(units, layout, torch.float32, torch.float32, comm)
     # stripe r of unit u: r + 100 u, so a gathered unit shows who sent what
     for u in range(len(units)):
         storage.stripe(u).fill_(rank + 100 * u)

@@ -21,7 +21,7 @@ import torch
 from .._errors import TorchShardError
 from .._flat.geometry import Geometry, sliced_numel
 from .._flat.layout import FlatLayout, ParamSlot
-from .units import Unit, unit_geometry
+from .units import Unit, stripe_parts, unit_geometry, unit_pieces
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -222,6 +222,11 @@ class _Typed:
         return out
 
 
+def _width(layout: FlatLayout) -> Callable[[torch.dtype], int]:
+    """Buffer positions per element of dtype ``d``: its bytes in a mixed layout, else 1."""
+    return (lambda d: d.itemsize) if layout.mixed else (lambda d: 1)
+
+
 def _part(s: ParamSlot, a: int, b: int) -> int:
     """Elements of ``s`` at buffer positions ``[a, b)``."""
     return max(0, min(s.end, b) - max(s.offset, a)) // s.width
@@ -278,7 +283,7 @@ def _bracket(
     a scalar for every trainable parameter (above): the worst rank lies between."""
     _, scalars = OPTIMIZER_STATES[req.optimizer]
     total, size, rate = varying
-    width = (lambda d: d.itemsize) if layout.mixed else (lambda d: 1)
+    width = _width(layout)
     most = max(-(-size * rate(d) // width(d)) for d in layout.grad_layout.dtypes or layout.dtypes)
     return fixed + -(-total // n), fixed + most + scalars * 4 * len(layout.trainable)
 
@@ -352,26 +357,29 @@ class Stripes:
         _check_units(layout, req.units)
         per_element, scalars = OPTIMIZER_STATES[req.optimizer]
         geoms = [unit_geometry(u, world_size, layout.align) for u in req.units]
+        pieces = [unit_pieces(layout, u, g) for u, g in zip(req.units, geoms)]
         transient = self._transient(layout, req, [g.total for g in geoms])
-        every = layout.grad_layout is layout
-        of = _Typed(layout)
+        width = _width(layout)
         out = []
         for rank in range(world_size):
-            stripes: list[tuple[torch.dtype, int]] = []  # (dtype, elements) of the stripes
-            parts: list[tuple[torch.dtype, int]] = []  # of the trainable pieces
-            for u, g in zip(req.units, geoms):
+            held: list[tuple[torch.dtype, int]] = []  # (dtype, elements) of the stripes' pieces
+            parts: list[tuple[torch.dtype, int]] = []  # of the trainable parameters
+            rest = 0  # positions held as the buffer holds them (frozen, with frozen ones)
+            for u, g, mine in zip(req.units, geoms, pieces):
                 a, b = g.range(rank)
-                stripes += of(a, b, end=u.end)
+                typed, others = stripe_parts(mine, a, b)
+                held += [(d, (y - x) // width(d)) for x, y, d in typed]
+                rest += sum(y - x for x, y in others)
                 for s in layout.slots[u.lo : u.hi]:
                     n = _part(s, a, b) if s.requires_grad else 0
                     if n > 0:
                         parts.append((s.torch_dtype, n))
-            own, master = self._split(req, stripes, layout.mixed)
-            # with frozen parameters, gradients for the trainable parts of the stripes only
-            g_own, g_master = (own, master) if every else self._split(req, parts, layout.mixed)
+            own, master = self._split(req, held, layout.mixed)
             state = sum(k * req.state_dtype(d).itemsize for d, k in parts)
             opt = per_element * state + scalars * 4 * len(parts)
-            out.append(RankMemory(rank, own, g_own, opt, master + g_master, transient))
+            params = own + rest * layout.torch_dtype.itemsize
+            # the gradients are laid out like the pieces' weights
+            out.append(RankMemory(rank, params, own, opt, 2 * master, transient))
         return out
 
     @staticmethod
@@ -391,12 +399,16 @@ class Stripes:
         size = sum(g.per_rank for g in geoms)  # the rank's stripes
         per_element, _ = OPTIMIZER_STATES[req.optimizer]
         item = lambda d: req.state_dtype(d).itemsize  # noqa: E731
-        of = _Typed(layout)
-        stripes = [of(g.start, g.start + g.total, u.end) for u, g in zip(req.units, geoms)]
-        held = sum(k * item(d) for one in stripes for d, k in one)
-        # the stripes, their gradients (whole, or their trainable parts) and the state vary
-        grads = held if layout.grad_layout is layout else _trainable_bytes(layout, item)
-        total = held + grads + per_element * _trainable_bytes(layout, item)
+        width = _width(layout)
+        # the stripes' pieces (twice: their gradients), the rest as the buffer holds it, and
+        # the state vary by rank
+        total = 0
+        for u, g in zip(req.units, geoms):
+            pieces = unit_pieces(layout, u, g)
+            total += sum(2 * (y - x) // width(d) * item(d) for x, y, d in pieces)
+            rest = g.total - sum(y - x for x, y, _ in pieces)
+            total += rest * layout.torch_dtype.itemsize
+        total += per_element * _trainable_bytes(layout, item)
         fixed = self._transient(layout, req, [g.total for g in geoms])
         rate = lambda d: (2 + per_element) * item(d)  # noqa: E731
         return _bracket(layout, req, world_size, fixed, (total, size, rate))

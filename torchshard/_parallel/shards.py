@@ -19,6 +19,9 @@ class LocalShards:
     are ``tensor[at : at + end - start]``. ``regions`` are the flat ranges cut over the
     ranks (one per unit with ``shard="full"``, one for ``shard=True``), and ``every[k]``
     every rank's ``[a, b)`` of region ``k``, clipped to it (what an exchange needs).
+    ``frozen``: what else this rank holds of the weights but never updates (a fully sharded
+    trainer's frozen parameters, kept as the flat buffer holds them: its dtype, or bytes
+    for parameters of several), as local shards of their own; ``None`` without.
 
     Example::
 
@@ -31,6 +34,7 @@ class LocalShards:
     runs: tuple[tuple[int, int, int], ...]
     regions: tuple[tuple[int, int], ...]
     every: tuple[tuple[tuple[int, int], ...], ...]
+    frozen: LocalShards | None = None
 
     @staticmethod
     def of(

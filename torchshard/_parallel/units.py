@@ -13,17 +13,30 @@ Pure functions of a module tree and a layout; no tensors, no process group.
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from .._errors import TorchShardError, and_more
 from .._flat.geometry import Geometry
 from .._flat.layout import FlatLayout
 
-__all__ = ["Unit", "UnitSpec", "layout_units", "resolve_units", "unit_geometry"]
+__all__ = [
+    "Unit",
+    "UnitSpec",
+    "layout_units",
+    "resolve_units",
+    "stripe_parts",
+    "unit_geometry",
+    "unit_pieces",
+]
+
+Piece = tuple[int, int, torch.dtype]
+"""A flat ``[start, end)`` of one dtype."""
 
 UnitSpec = str | Sequence[str | type] | Callable[[str, nn.Module], bool]
 """``"auto"``, a list of module names or classes, or ``(name, module) -> bool``."""
@@ -56,6 +69,64 @@ class Unit:
 def unit_geometry(unit: Unit, world_size: int, align: int) -> Geometry:
     """The unit padded to ``world_size`` equal stripes of a multiple of ``align`` elements."""
     return Geometry(unit.numel, world_size, align, pad=True, start=unit.start)
+
+
+def unit_pieces(layout: FlatLayout, unit: Unit, geometry: Geometry) -> list[Piece]:
+    """What the fully sharded mode holds of ``unit`` in the master dtype (the optimizer's
+    side), as flat ranges of one dtype: ``(start, end, dtype)``.
+
+    Every parameter trains: the whole unit, padding included (``geometry``: the unit's),
+    cut where the dtype changes (the padding is the unit's last dtype's). Some are frozen:
+    the unit's trainable runs only (:meth:`FlatLayout.trainable_runs`, alignment gaps inside
+    them included), cut so; a frozen weight, a gap between runs and the padding stay in the
+    buffer's dtype (:func:`stripe_parts`), never in a master copy.
+
+    Example::
+
+        g = unit_geometry(unit, world, layout.align)
+        for a, b, dtype in unit_pieces(layout, unit, g): ...
+    """
+    if layout.grad_layout is layout:
+        runs = [(unit.start, geometry.start + geometry.total)]
+    else:
+        runs = [
+            (max(a, unit.start), min(b, unit.end))
+            for a, b, _ in layout.trainable_runs()
+            if a < unit.end and b > unit.start
+        ]
+    regions = layout.regions
+    starts = [r.start for r in regions]
+    out = []
+    for x, y in runs:
+        while x < y:
+            k = bisect.bisect_right(starts, x) - 1
+            nxt = starts[k + 1] if k + 1 < len(starts) else y
+            e = min(y, nxt) if nxt < unit.end else y  # the padding: the last dtype's
+            out.append((x, e, regions[k].dtype))
+            x = e
+    return out
+
+
+def stripe_parts(
+    pieces: Sequence[Piece], a0: int, b0: int
+) -> tuple[list[Piece], list[tuple[int, int]]]:
+    """A rank's stripe ``[a0, b0)`` of a unit whose :func:`unit_pieces` are ``pieces``: the
+    parts held in the master dtype (``(start, end, dtype)``) and the rest (``(start, end)``,
+    held as the buffer holds it), each in flat order.
+
+    Example::
+
+        parts, rest = stripe_parts(unit_pieces(layout, unit, g), *g.range(rank))
+    """
+    parts = [(max(x, a0), min(y, b0), d) for x, y, d in pieces if max(x, a0) < min(y, b0)]
+    rest, at = [], a0
+    for x, y, _ in parts:
+        if at < x:
+            rest.append((at, x))
+        at = y
+    if at < b0:
+        rest.append((at, b0))
+    return parts, rest
 
 
 def resolve_units(module: nn.Module, layout: FlatLayout, spec: UnitSpec = "auto") -> list[Unit]:

@@ -35,10 +35,11 @@ from ._reads import (
     Holding,
     Parts,
     gather_parts,
+    into_shards,
     live_weights,
     packed,
-    packed_bytes,
     read_state,
+    shard_runs,
     zero_gaps,
 )
 from ._rules import OPTIMIZER_RULES
@@ -135,10 +136,7 @@ def _read_share(
     """
     layout = t.fm.layout
     equal = packed(gather_ranges(layout.numel, t.world, t.rank))
-    shards = (list(t.stripes.runs), t.stripes.tensor.numel()) if t.stripes else ([], 0)
-    if t.stripes and not t.fm.is_bound and layout.mixed:  # the runs' bytes, back to back
-        shards = packed_bytes(t.stripes.runs)
-    mine, numel = (equal, sum(b - a for a, b, _ in equal)) if t.fm.is_bound else shards
+    mine, numel = (equal, sum(b - a for a, b, _ in equal)) if t.fm.is_bound else shard_runs(t)
     own = t.owns_state(optimizer)
     weights = torch.empty(numel, dtype=layout.torch_dtype)
     written = []
@@ -252,11 +250,7 @@ def _apply(
         fill(flat, share.weights, layout.numel)
     else:  # read for the local shards' runs, laid out like their tensor; in its dtype: a bf16
         # buffer's fp32 master is the bf16 weights until a saved master overrides it below
-        assert t.stripes is not None
-        if layout.mixed:  # each run's bytes into its elements
-            t.stripes.copy_from_bytes(share.weights, share.parts)
-        else:
-            t.stripes.tensor.copy_(share.weights)
+        into_shards(t, share.weights, share.parts)
     live = t.buffers()
     for name, value in share.buffers.items():
         live[name].copy_(value)

@@ -22,10 +22,12 @@ __all__ = [
     "Holding",
     "Parts",
     "gather_parts",
+    "into_shards",
     "live_weights",
     "packed",
     "packed_bytes",
     "read_state",
+    "shard_runs",
     "zero_gaps",
 ]
 
@@ -138,6 +140,38 @@ def packed_bytes(runs: Sequence[tuple[int, int, int]]) -> tuple[list[tuple[int, 
     return out, at
 
 
+def shard_runs(t: Target) -> tuple[Parts, int]:
+    """What a load reads of the weights for local shards without a flat buffer: their runs
+    laid out like their tensor (a buffer of several dtypes: the runs' bytes, one after
+    another), then the frozen weights' runs, laid out like theirs; and the elements in all
+    (:func:`into_shards` puts them in place)."""
+    if t.stripes is None:
+        return [], 0
+    if t.fm.layout.mixed:
+        runs, n = packed_bytes(t.stripes.runs)
+    else:
+        runs, n = list(t.stripes.runs), t.stripes.tensor.numel()
+    if t.frozen is not None:
+        runs += [(a, b, n + at) for a, b, at in t.frozen.runs]
+        n += t.frozen.tensor.numel()
+    return runs, n
+
+
+@torch.no_grad()
+def into_shards(t: Target, weights: torch.Tensor, runs: Parts) -> None:
+    """The weights read by :func:`shard_runs`' ``runs`` into the local shards' tensors: each
+    run's elements in its region's dtype (in the master dtype, where there is one), then
+    the frozen weights as they are."""
+    assert t.stripes is not None
+    if t.fm.layout.mixed:
+        t.stripes.copy_from_bytes(weights, runs[: len(t.stripes.runs)])
+    else:
+        t.stripes.tensor.copy_(weights[: t.stripes.tensor.numel()])
+    if t.frozen is not None:  # read after them
+        kept = t.frozen.tensor
+        kept.copy_(weights[weights.numel() - kept.numel() :])
+
+
 def live_weights(
     t: Target, live: torch.Tensor, slot: ParamSlot, a: int, b: int, shift: int
 ) -> torch.Tensor:
@@ -147,6 +181,9 @@ def live_weights(
     elements, cast to the slot's dtype, as bytes)."""
     if t.fm.is_bound:
         return live[a:b]
+    if t.frozen is not None and not slot.requires_grad:  # held as the buffer holds it
+        at = t.frozen.position(a)
+        return t.frozen.tensor[at : at + b - a]
     if not t.fm.layout.mixed:
         return live[a + shift : b + shift]
     assert t.stripes is not None

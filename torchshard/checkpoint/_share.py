@@ -137,7 +137,9 @@ def _fill_by_space(
 class _Items:
     """The items of one share, from its plan: module buffers, weights, optimizer state."""
 
-    def __init__(self, t: Target, plan: SharePlan, view: OptimizerView | None) -> None:
+    def __init__(
+        self, t: Target, plan: SharePlan, view: OptimizerView | None, frozen: bool
+    ) -> None:
         self.t, self.plan, fm = t, plan, t.fm
         self.buffers = [
             (name, Item(name, b.shape, b.dtype, b.detach()))
@@ -153,12 +155,14 @@ class _Items:
                 align = max(d.itemsize for d in fm.dtypes)  # its slots are typed views
                 self.weights = Item("weights", run.shape, fm.dtype, run, align=align)
         else:  # from every rank's local shards, by an exchange (every rank takes part)
-            stripes = t.stripes
+            stripes, kept = t.stripes, t.frozen if frozen else None
             assert stripes is not None
             (self.base, end), tiles = plan.tile, list(plan.tiles)
 
             def weights(host: torch.Tensor) -> None:
                 stripes.assemble(tiles, host, None)
+                if kept is not None:  # the frozen weights (unless the files leave them out)
+                    kept.assemble(tiles, host, None)
 
             self.weights = Item("weights", torch.Size([end - self.base]), fm.dtype, weights)
         self.optim: list[tuple[str, torch.dtype, list[Item | int]]] = []
@@ -282,7 +286,7 @@ def collect(
     if view is not None and view.streams:
         segments = [(seg.start, seg.end) for seg in view.segments]
     plan = plan_share(layout, t.world, t.rank, segments)  # 2.
-    items = _Items(t, plan, view)  # 3.
+    items = _Items(t, plan, view, frozen)  # 3.
     order = items.all()
     if carve is not None:
         for item, host in zip(order, carve([(x.shape, x.dtype, x.align) for x in order])):

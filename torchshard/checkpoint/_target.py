@@ -81,6 +81,10 @@ class Target:
         self.stripes = (
             None if shards is None else Stripes(shards, self.group, self.rank, self.world, dtypes)
         )
+        # the weights it holds but never updates (frozen, fully sharded), as the buffer holds
+        # them: positions are their elements
+        frozen = shards.frozen if shards is not None else None
+        self.frozen = None if frozen is None else Stripes(frozen, self.group, self.rank, self.world)
         if not self.fm.is_bound and self.stripes is None:
             raise CheckpointError(
                 "trainer: the FlatParamModule is not bound to a buffer yet (or a fully "

@@ -58,23 +58,9 @@ class UnitGradReducer:
         self.reduce_order = [u for u in mine if not self.units[u].kept]
         self.reduce_order += [u for u in mine if self.units[u].kept]
         self.stats.buckets = len(self.reduce_order)
-        self.compact = self.layout.grad_layout is not self.layout
-        """Some parameters are frozen: the stripes' gradients hold the trainable ones only."""
-        self.spans = self._trainable_spans() if self.compact else []
-        """``compact``: ``(unit, a, b, at, n)``: flat ``[a, b)`` of this rank's stripes is
-        ``stripe_grads[at : at + n]`` (``n`` elements: ``b - a`` unless the layout is bytes)."""
-        self.span_at = {(a, b): (at, n) for _, a, b, at, n in self.spans}
-        self.unit_spans: list[list[tuple[int, int, int, int, int]]] = [[] for _ in self.units]
-        for span in self.spans:
-            self.unit_spans[span[0]].append(span)
-        n = sum(span[4] for span in self.spans)
-        self.stripe_grads = (
-            storage.stripe_weights.new_zeros(n)
-            if self.compact
-            else torch.zeros_like(storage.stripe_weights)
-        )
-        """This rank's stripes of every unit's gradient, laid out like the stripes (or, when
-        some parameters are frozen, only the trainable parameters' parts, back to back)."""
+        self.stripe_grads = torch.zeros_like(storage.stripe_weights)
+        """This rank's stripes of every unit's gradient, laid out like the stripes' weights
+        (their trainable runs only, when some parameters are frozen)."""
         self.pool_numel = max(
             (g.total for u, g in zip(self.units, storage.geometries) if not u.kept), default=0
         )
@@ -98,24 +84,10 @@ class UnitGradReducer:
             if self.layout.slots[i].requires_grad:
                 p.register_post_accumulate_grad_hook(self._grad_hook(i))
 
-    def _trainable_spans(self) -> list[tuple[int, int, int, int, int]]:
-        spans, at = [], 0
-        for u, (a0, b0) in enumerate(self.storage.stripe_ranges()):
-            for i in range(self.units[u].lo, self.units[u].hi):
-                s = self.layout.slots[i]
-                a, b = max(s.offset, a0), min(s.end, b0)
-                if s.requires_grad and a < b:
-                    spans.append((u, a, b, at, (b - a) // s.width))
-                    at += (b - a) // s.width
-        return spans
-
     def grad_of(self, a: int, b: int) -> torch.Tensor:
         """The gradient of flat ``[a, b)``: one trainable parameter's part of one of this
         rank's stripes (an optimizer piece)."""
-        if not self.compact:
-            return self.storage.stripe_of(self.stripe_grads, a, b)
-        at, n = self.span_at[(a, b)]  # the optimizer's pieces are the spans
-        return self.stripe_grads[at : at + n]
+        return self.storage.stripe_of(self.stripe_grads, a, b)
 
     @property
     def sync(self) -> bool:
@@ -218,7 +190,7 @@ class UnitGradReducer:
         grad = self._unit_grad(u)
         self.reduced[u] = True
         out: torch.Tensor | list[torch.Tensor]
-        if self.storage.regions:
+        if self.storage.regions or self.storage.frozen:
             out, works = self._reduce_parts(u, grad)
         else:
             ctx.spec.scale_before(grad)
@@ -235,7 +207,8 @@ class UnitGradReducer:
     def _reduce_parts(
         self, u: int, grad: torch.Tensor
     ) -> tuple[list[torch.Tensor], list[dist.Work]]:
-        """Unit ``u``'s gradient of several dtypes: every rank's stripe cut into typed parts,
+        """Unit ``u``'s gradient by parts (:meth:`UnitBuffers.parts`: of one dtype each; with
+        frozen parameters, the trainable runs alone: a frozen weight's zeros never travel),
         each reduced to its owner (in the reduce dtype where there is one); this rank's
         parts (valid once the handles are waited for) and the handles."""
         spec, storage = self.ctx.spec, self.storage
@@ -250,15 +223,9 @@ class UnitGradReducer:
         return mine, self.comm.reduce_to_owners(u, pieces, spec.op)
 
     def _add_parts(self, u: int, out: list[torch.Tensor]) -> None:
-        """This rank's reduced typed parts of unit ``u`` into the stripes' gradient."""
-        for (a, b, d, at), wire in zip(self.storage.mine[u], out):
-            if not self.compact:
-                self.stripe_grads[at : at + wire.numel()].add_(wire)
-                continue
-            w = d.itemsize // self.storage.dtype.itemsize
-            for _, x, y, to, n in self.unit_spans[u]:
-                if a <= x and y <= b:
-                    self.stripe_grads[to : to + n].add_(wire[(x - a) // w : (x - a) // w + n])
+        """This rank's reduced parts of unit ``u`` into the stripes' gradient."""
+        for (*_, at), wire in zip(self.storage.mine[u], out):
+            self.stripe_grads[at : at + wire.numel()].add_(wire)
 
     def _complete(self) -> None:
         u, works, out, grad = self.inflight.pop(0)
@@ -268,10 +235,6 @@ class UnitGradReducer:
         self.stats.wait_seconds += time.perf_counter() - t0
         if isinstance(out, list):
             self._add_parts(u, out)
-        elif self.compact:  # the trainable parts of the stripe only
-            s0 = self.storage.geometries[u].range(self.storage.rank)[0]
-            for _, a, b, at, n in self.unit_spans[u]:
-                self.stripe_grads[at : at + n].add_(out[a - s0 : b - s0])
         else:
             a = self.storage.stripe_offsets[u]
             self.stripe_grads[a : a + self.storage.geometries[u].per_rank].add_(out)

@@ -4,7 +4,7 @@ The layout is cut into units (:mod:`..units`): a transformer block each, plus ro
 units for what lies between. Rank ``r`` persistently holds stripe ``r`` of every
 unit (in the master dtype: the weights the optimizer updates), its gradient, and
 the optimizer's state for it: 16 bytes per parameter over the world size with
-AdamW. A unit's full buffer exists only while the unit runs: it is gathered in a
+AdamW; of a frozen parameter, only its weights, in their own dtype. A unit's full buffer exists only while the unit runs: it is gathered in a
 forward pre-hook (``prefetch`` units ahead), freed after its forward, gathered
 again before its backward, freed after it. Its gradient is reduce-scattered into
 the stripes as soon as its backward is done.
@@ -25,6 +25,7 @@ Order: every rank issues the same collectives in the same order by construction;
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 from collections.abc import Callable
 
@@ -111,14 +112,7 @@ class FullyShard(Mode):
             self.prepare(fm)
         self.comm = UnitComm(group, device, native=self.native_gloo)
         layout = fm.layout
-        self.storage = UnitBuffers(
-            self.units,
-            layout.align,
-            fm.dtype,
-            self.master_dtype,
-            self.comm,
-            layout.regions if layout.mixed else (),
-        )
+        self.storage = UnitBuffers(self.units, layout, fm.dtype, self.master_dtype, self.comm)
         self.params = adopt_units(fm, self.storage, src, init_fn)
         return self.params
 
@@ -214,23 +208,26 @@ class FullyShard(Mode):
         plan = [(u.lo, u.hi, u.kept) for u in self.units], self.prefetch, self.reshard_after_forward
         return "F" + hashlib.sha256(repr(plan).encode()).hexdigest()[:16]
 
-    def _stripe_bytes(self) -> tuple[int, int]:
-        """Bytes of this rank's weight stripes and of their (trainable parts') gradients."""
-        weights = self._adopted().stripe_weights
+    def _stripe_bytes(self) -> tuple[int, int, int]:
+        """Bytes of this rank's stripes: the weights the optimizer updates, their gradients,
+        and the rest (frozen weights, in their own dtype)."""
+        storage = self._adopted()
+        weights, rest = storage.stripe_weights, storage.frozen_weights
         grads = self.grads.stripe_grads if self.grads is not None else weights
-        return weights.numel() * weights.element_size(), grads.numel() * grads.element_size()
+        return tuple(t.numel() * t.element_size() for t in (weights, grads, rest))  # type: ignore[return-value]
 
     def master_bytes(self) -> int:
         if self.master_dtype == self._adopted().dtype:
             return 0
-        return sum(self._stripe_bytes())
+        weights, grads, _ = self._stripe_bytes()
+        return weights + grads
 
     def memory(self, ctx: Context, optimizer_bytes: int) -> dict[str, int]:
         storage = self._adopted()
-        weights, grads = self._stripe_bytes()
+        weights, grads, rest = self._stripe_bytes()
         own = self.master_dtype == storage.dtype
         return {
-            "parameters": weights if own else 0,
+            "parameters": rest + (weights if own else 0),
             "gradients": grads if own else 0,
             "optimizer": optimizer_bytes,
             "master": 0 if own else weights + grads,
@@ -238,27 +235,38 @@ class FullyShard(Mode):
         }
 
     def local_shards(self, ctx: Context) -> LocalShards:
+        """The stripes' weights the optimizer updates, by unit piece (one piece per unit
+        when every parameter trains and the layout has one dtype); with frozen parameters,
+        the rest as :attr:`LocalShards.frozen`."""
         storage = self._adopted()
-        if not storage.regions:
-            every = [g.clipped(u.numel) for u, g in zip(self.units, storage.geometries)]
-            regions = [(u.start, u.end) for u in self.units]
-            return LocalShards.of(
-                storage.stripe_weights, regions, every, storage.rank, storage.stripe_offsets
-            )
-        # bytes of several dtypes: each unit's runs of one dtype are regions of their own,
-        # their elements the stripes' (``storage.element``)
+        pieces = [[(x, min(y, u.end)) for x, y, _ in p] for u, p in zip(self.units, storage.pieces)]
+        shards = self._shards(storage.stripe_weights, pieces, storage.element)
+        if not storage.frozen:
+            return shards
+        rest = []  # per unit, what its pieces leave of it
+        for u, mine in zip(self.units, pieces):
+            edges = [u.start, *(e for piece in mine for e in piece), u.end]
+            rest.append([(a, b) for a, b in zip(edges[::2], edges[1::2]) if a < b])
+        frozen = self._shards(storage.frozen_weights, rest, storage.kept_at)
+        return dataclasses.replace(shards, frozen=frozen)
+
+    def _shards(
+        self, tensor: torch.Tensor, spans: list[list[tuple[int, int]]], at: Callable[[int], int]
+    ) -> LocalShards:
+        """``spans`` (per unit, flat ranges of it) as regions cut by the units' geometries,
+        this rank's cut of each at ``at(start)`` in ``tensor``."""
+        storage = self._adopted()
         regions, cuts, offsets = [], [], []
-        for u, g in zip(self.units, storage.geometries):
-            for r in storage.regions:
-                x, y = max(r.start, u.start), min(r.end, u.end)
+        for g, mine in zip(storage.geometries, spans):
+            for x, y in mine:
                 if x >= y:
                     continue
-                ranges = [(min(max(a, x), y), min(max(b, x), y)) for a, b in g.clipped(u.numel)]
+                ranges = [(min(max(a, x), y), min(max(b, x), y)) for a, b in g.ranges()]
                 regions.append((x, y))
                 cuts.append(ranges)
                 a, b = ranges[storage.rank]
-                offsets.append(storage.element(a) if a < b else 0)
-        return LocalShards.of(storage.stripe_weights, regions, cuts, storage.rank, offsets)
+                offsets.append(at(a) if a < b else 0)
+        return LocalShards.of(tensor, regions, cuts, storage.rank, offsets)
 
     def own_groups(self) -> tuple[dist.ProcessGroup, ...]:
         # a trainer whose construction failed before the communicators is closed at exit too

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..._flat.layout import Region, as_dtype
-from ..units import Unit, unit_geometry
+from ..._flat.layout import FlatLayout, Region, as_dtype
+from ..units import Unit, stripe_parts, unit_geometry, unit_pieces
 from .collectives import UnitComm
 
 __all__ = ["FREE", "HEAP", "PENDING", "READY", "UnitBuffers", "slot_units"]
@@ -70,22 +70,24 @@ def slot_units(units: list[Unit], n_slots: int) -> list[int]:
 
 
 class UnitBuffers:
-    """Every unit's whole buffer (freed), this rank's stripes (``stripe_weights``, in
-    ``stripe_dtype``: what the optimizer updates) and the states of the buffers.
+    """Every unit's whole buffer (freed), this rank's stripes and the states of the buffers.
+
+    A stripe is held in two tensors: its :func:`~..units.unit_pieces` (what trains: every
+    weight unless some are frozen) as elements of ``stripe_dtype`` in :attr:`stripe_weights`
+    (what the optimizer updates), the rest (frozen weights, the gaps and padding around
+    them) as the buffer holds it in :attr:`frozen_weights`. A frozen weight of a bf16 model
+    so keeps its 2 bytes per element: no master copy of what never trains.
 
     Args:
         units: the units, in layout order.
-        align: the layout's alignment, in elements (each stripe a multiple of it).
+        layout: the flat layout (alignment, dtypes, which parameters train).
         dtype: the model's dtype (the units' buffers; bytes for parameters of several).
         stripe_dtype: the stripes' dtype (the master dtype).
         comm: the communicators (its world size cuts the units).
-        regions: a mixed layout's regions (bytes of several dtypes): each stripe is cut
-            where the dtype changes, and its parts' elements lie back to back in the
-            stripes (:meth:`parts`).
 
     Example::
 
-        storage = UnitBuffers(units, fm.layout.align, fm.dtype, torch.float32, comm)
+        storage = UnitBuffers(units, fm.layout, fm.dtype, torch.float32, comm)
         storage.gather(0, wait=True)   # unit 0 whole
         storage.release(0)             # and freed again
     """
@@ -93,28 +95,42 @@ class UnitBuffers:
     def __init__(
         self,
         units: list[Unit],
-        align: int,
+        layout: FlatLayout,
         dtype: torch.dtype,
         stripe_dtype: torch.dtype,
         comm: UnitComm,
-        regions: tuple[Region, ...] = (),
     ) -> None:
         self.units, self.dtype, self.comm, self.device = units, dtype, comm, comm.device
-        self.rank, self.regions = comm.rank, regions
-        self.geometries = [unit_geometry(u, comm.world, align) for u in units]
+        self.rank = comm.rank
+        self.regions: tuple[Region, ...] = layout.regions if layout.mixed else ()
+        """A mixed layout's regions (bytes of several dtypes); ``()`` otherwise."""
+        self.frozen = layout.grad_layout is not layout
+        """Some parameters are frozen: the stripes hold the trainable runs alone."""
+        self.geometries = [unit_geometry(u, comm.world, layout.align) for u in units]
+        self.pieces = [unit_pieces(layout, u, g) for u, g in zip(units, self.geometries)]
+        """Per unit, what :attr:`stripe_weights` holds of it (:func:`~..units.unit_pieces`)."""
         self.stripe_offsets: list[int] = []
         """Where unit ``u``'s stripe starts in :attr:`stripe_weights`."""
         self.mine: list[list[tuple[int, int, torch.dtype, int]]] = []
-        """Per unit, this rank's stripe as :meth:`parts`, each with where its elements start
+        """Per unit, this rank's parts (:meth:`parts`), each with where its elements start
         in :attr:`stripe_weights`: ``(start, end, dtype, at)``."""
-        at = 0
+        self.rest: list[list[tuple[int, int, int]]] = []
+        """Per unit, the rest of this rank's stripe: flat ``[start, end)`` is
+        :attr:`frozen_weights` ``[at, at + end - start)``."""
+        at = kept = 0
         for u in range(len(units)):
+            parts, rest = stripe_parts(self.pieces[u], *self.geometries[u].range(self.rank))
             self.stripe_offsets.append(at)
             self.mine.append([])
-            for a, b, d in self.parts(u, self.rank):
+            for a, b, d in parts:
                 self.mine[u].append((a, b, d, at))
                 at += (b - a) * dtype.itemsize // d.itemsize
+            self.rest.append([])
+            for a, b in rest:
+                self.rest[u].append((a, b, kept))
+                kept += b - a
         self.stripe_weights = torch.zeros(at, dtype=stripe_dtype, device=self.device)
+        self.frozen_weights = torch.zeros(kept, dtype=dtype, device=self.device)
         # with storage, long enough to cut the parameters' views; freed once they are cut
         self.buffers = [
             torch.zeros(g.total, dtype=dtype, device=self.device) for g in self.geometries
@@ -134,26 +150,17 @@ class UnitBuffers:
         return self.stripe_weights[a : a + n]
 
     def parts(self, u: int, rank: int) -> list[tuple[int, int, torch.dtype]]:
-        """Rank ``rank``'s stripe of unit ``u`` (flat ``[start, end)``, padding included) cut
-        where the dtype changes: ``(start, end, dtype)``; one part without regions. The
-        padding past the unit is its last dtype's.
+        """Rank ``rank``'s stripe of unit ``u`` (flat ``[start, end)``, padding included) as
+        :attr:`stripe_weights` holds it: its share of the unit's pieces, ``(start, end,
+        dtype)``; the whole stripe in one part when every parameter trains and the layout
+        has one dtype.
 
         Example::
 
             for a, b, dtype in storage.parts(u, q):
                 typed = storage.buffers[u][a - unit.start : b - unit.start].view(dtype)
         """
-        a0, b0 = self.geometries[u].range(rank)
-        if not self.regions:
-            return [(a0, b0, self.dtype)] if a0 < b0 else []
-        unit = self.units[u]
-        spans = [
-            (r.start, r.end, r.dtype)
-            for r in self.regions
-            if r.start < unit.end and r.end > unit.start
-        ]
-        spans[-1] = (spans[-1][0], b0, spans[-1][2])
-        return [(max(x, a0), min(y, b0), d) for x, y, d in spans if max(x, a0) < min(y, b0)]
+        return stripe_parts(self.pieces[u], *self.geometries[u].range(rank))[0]
 
     def typed(self, t: torch.Tensor, u: int, a: int, b: int, d: torch.dtype) -> torch.Tensor:
         """Flat ``[a, b)`` of ``t``, a buffer laid out like unit ``u``'s, as ``d``."""
@@ -161,12 +168,17 @@ class UnitBuffers:
 
     @torch.no_grad()
     def copy_stripe(self, u: int, *, into_buffer: bool) -> None:
-        """This rank's stripe of unit ``u`` from :attr:`stripe_weights` into the unit's buffer
-        (cast to each part's dtype), or back."""
+        """This rank's stripe of unit ``u`` into the unit's buffer, or back: from
+        :attr:`stripe_weights` (cast to each part's dtype) and :attr:`frozen_weights`."""
         for a, b, d, at in self.mine[u]:
             typed = self.typed(self.buffers[u], u, a, b, d)
             stripe = self.stripe_weights[at : at + typed.numel()]
             typed.copy_(stripe) if into_buffer else stripe.copy_(typed)
+        start = self.units[u].start
+        for a, b, at in self.rest[u]:  # as the buffer holds it
+            raw = self.buffers[u][a - start : b - start]
+            kept = self.frozen_weights[at : at + b - a]
+            raw.copy_(kept) if into_buffer else kept.copy_(raw)
 
     def element(self, a: int) -> int:
         """Where flat position ``a`` (in one of this rank's stripes) is in :attr:`stripe_weights`."""
@@ -174,6 +186,14 @@ class UnitBuffers:
             if x <= a <= y:
                 return at + (a - x) * self.dtype.itemsize // d.itemsize
         raise AssertionError(f"position {a} is not in this rank's stripes")
+
+    def kept_at(self, a: int) -> int:
+        """Where flat position ``a`` (in the rest of one of this rank's stripes) is in
+        :attr:`frozen_weights`."""
+        for x, y, at in self.rest[self.unit_at(a)]:
+            if x <= a <= y:
+                return at + a - x
+        raise AssertionError(f"position {a} is not in the rest of this rank's stripes")
 
     def stripe_ranges(self) -> list[tuple[int, int]]:
         """This rank's ``[a, b)`` of the flat buffer, one per unit, clipped to the unit."""
