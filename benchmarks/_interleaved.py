@@ -19,7 +19,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torchshard import DistributedTrainer, FlatParamModule
 
-__all__ = ["Stepper", "interleave", "loss_diff", "per_step", "run_steppers", "speed_report"]
+__all__ = [
+    "Stepper",
+    "gradient_bytes",
+    "interleave",
+    "loss_diff",
+    "per_step",
+    "run_steppers",
+    "speed_report",
+]
 
 
 class Stepper:
@@ -90,6 +98,14 @@ def run_steppers(
     for name in modes:
         steppers[name].trainer.close()
     return {**timed, "memory": memory}
+
+
+def gradient_bytes(memory: dict) -> int:
+    """A rank's gradient bytes in a ``memory_stats()`` or ``plan_memory`` dict. The fully
+    sharded mode keeps a low-precision or mixed model's trainable stripes in an fp32 master
+    with their fp32 gradient, equal in size, in ``master`` (``gradients`` 0): the gradient
+    is half of it."""
+    return memory["gradients"] or memory["master"] // 2
 
 
 def per_step(ranks: list[dict], kind: str, name: str) -> list[float]:

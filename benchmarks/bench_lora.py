@@ -30,8 +30,9 @@ inputs):
    ``v_proj`` (:data:`LORA_7B`), built on meta (nothing allocated), laid out in bf16;
    ``plan_memory`` per rank at ``--world-7b`` ranks in each mode, of this layout and of the
    same model with every parameter trainable (before). The fully sharded mode keeps a bf16
-   model's stripe and its gradient in the fp32 master (``gradients`` 0): the gradient is
-   ``master`` less the stripe (half the before-twin's ``master``; :func:`gradient_bytes`).
+   model's trainable stripes and their gradient in the fp32 master (``gradients`` 0; its
+   frozen stripes in bf16, under ``parameters``): the gradient is half the ``master``
+   (``_interleaved.gradient_bytes``).
 3. Speed, measured: a training step (zero_grad + forward + backward + gradient reduction +
    AdamW step, after a barrier; wall-clock and process CPU time) of every configuration,
    interleaved step by step in an order rotated every step (none is always first). Per step
@@ -51,7 +52,14 @@ import warnings
 import torch
 import torch.distributed as dist
 from _common import fmt_bytes, format_table, machine_info, run_ranks, write_json
-from _interleaved import Stepper, loss_diff, per_step, run_steppers, speed_report
+from _interleaved import (
+    Stepper,
+    gradient_bytes,
+    loss_diff,
+    per_step,
+    run_steppers,
+    speed_report,
+)
 from report.freshness import hashes
 from report.stats import verdict
 
@@ -117,16 +125,6 @@ def before_plans(config: dict, lora: dict, dtype: torch.dtype | None, world: int
     }
 
 
-def gradient_bytes(plan: dict, before: dict) -> int:
-    """A rank's gradient bytes in ``plan``. The fully sharded mode with a bf16 model keeps
-    the stripe (fp32) and its gradient in ``master`` (``gradients`` 0); the stripe is the
-    same with every parameter trainable, where the gradient is as large as the stripe: so
-    the gradient is ``master - before["master"] / 2``."""
-    if plan["gradients"] or not plan["master"]:
-        return plan["gradients"]
-    return plan["master"] - before["master"] // 2
-
-
 class Config(Stepper):
     """One configuration: the PEFT model in DDP or a trainer, and its AdamW."""
 
@@ -167,7 +165,7 @@ def measured_memory(ranks: list[dict]) -> dict:
         trainable_bytes = m0["trainable_elements"] * m0["itemsize"]
         grads = [m["memory_stats"]["gradients"] for m in by_rank]
         opt = max(m["memory_stats"]["optimizer"] for m in by_rank)
-        old = max(gradient_bytes(p, p) for p in before[name])
+        old = max(gradient_bytes(p) for p in before[name])
         out[name] = {
             "by_rank": by_rank,
             "trainable_bytes": trainable_bytes,
@@ -197,8 +195,8 @@ def computed_memory(world: int) -> dict:
     modes = {}
     for name, shard in MODES.items():
         plans = [p.as_dict() for p in plan_memory(fm.layout, world, shard=shard)]
-        grads = [gradient_bytes(p, b) for p, b in zip(plans, before[name])]
-        old = max(gradient_bytes(b, b) for b in before[name])
+        grads = [gradient_bytes(p) for p in plans]
+        old = max(gradient_bytes(b) for b in before[name])
         persistent = max(sum(p[k] for k in FIELDS) for p in plans)
         modes[name] = {"plans": plans, "gradients_by_rank": grads, "gradients_max": max(grads),
                        "before_gradients": old, "before_over_after": old / max(grads),

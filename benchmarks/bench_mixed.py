@@ -53,7 +53,14 @@ import time
 import torch
 import torch.distributed as dist
 from _common import fmt_bytes, format_table, machine_info, run_ranks, write_json
-from _interleaved import Stepper, loss_diff, per_step, run_steppers, speed_report
+from _interleaved import (
+    Stepper,
+    gradient_bytes,
+    loss_diff,
+    per_step,
+    run_steppers,
+    speed_report,
+)
 from report.freshness import hashes
 from report.stats import verdict
 
@@ -144,13 +151,6 @@ def run(opts: argparse.Namespace) -> dict:
     """Every configuration on this rank, interleaved step by step: times, losses, memory."""
     configs = {name: Config(name) for name in CONFIGS}
     return run_steppers(configs, list(MODES), SMALL["vocab_size"], (BATCH, BLOCK), opts)
-
-
-def gradient_bytes(stats: dict) -> int:
-    """A rank's gradient bytes. The fully sharded mode keeps a mixed model's stripe (fp32)
-    and its gradient in ``master`` (``gradients`` 0); every parameter trains, so the
-    gradient is half the master."""
-    return stats["gradients"] or stats["master"] // 2
 
 
 def fp32_twin() -> dict:
