@@ -33,10 +33,15 @@ def _loss(model: torch.nn.Module, rank: int) -> torch.Tensor:
     return model(batch(rank)).float().pow(2).mean()
 
 
-def _reduced_like_the_oracle(shard: bool | str, reduce_dtype: torch.dtype | None) -> dict:
+def _reduced_like_the_oracle(
+    shard: bool | str, reduce_dtype: torch.dtype | None, frozen: bool
+) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ref = Blocks(n=3).to(torch.bfloat16)
+    if frozen:  # frozen before and between trainable ones: the full mode reduces runs
+        ref.embed.requires_grad_(False)
+        ref.blocks[1].requires_grad_(False)
     fm = FlatParamModule(copy.deepcopy(ref))
     trainer = DistributedTrainer(fm, shard=shard, bucket_mb=0.004, reduce_dtype=reduce_dtype)
     trainer.make_optimizer(torch.optim.SGD, lr=0.0)
@@ -50,7 +55,8 @@ def _reduced_like_the_oracle(shard: bool | str, reduce_dtype: torch.dtype | None
         ref.zero_grad()
         _loss(ref, r).backward()
         for s in layout.slots:
-            oracle[s.offset : s.end] += names[s.name].grad.reshape(-1).float()
+            if s.requires_grad:
+                oracle[s.offset : s.end] += names[s.name].grad.reshape(-1).float()
     oracle /= world
     bitwise, rounded = [], []
     for slot, a, b, t in trainer.optimizer_segments():
@@ -64,14 +70,18 @@ def _reduced_like_the_oracle(shard: bool | str, reduce_dtype: torch.dtype | None
 
 
 REDUCE = Cases(
-    _reduced_like_the_oracle, params=["shard", "reduce_dtype"], timeout=120, world_size=2
+    _reduced_like_the_oracle,
+    params=["shard", "reduce_dtype", "frozen"],
+    timeout=120,
+    world_size=2,
 )
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["all", "some-frozen"])
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, None], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shard", MODES, ids=MODE_IDS)
-@REDUCE.mark(cases=6)
-def test_bf16_gradients_reduced_in_fp32_are_the_fp32_mean(request, shard, reduce_dtype):
+@REDUCE.mark(cases=12)
+def test_bf16_gradients_reduced_in_fp32_are_the_fp32_mean(request, shard, reduce_dtype, frozen):
     ranks = REDUCE.results(request)
     assert sum(r["pieces"] for r in ranks) > 0
     for r in ranks:
