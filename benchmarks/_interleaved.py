@@ -10,7 +10,7 @@ ranks of each step (a paired ratio is two configurations' at the same step index
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,14 +20,40 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torchshard import DistributedTrainer, FlatParamModule
 
 __all__ = [
+    "ADAMW",
+    "BATCH",
+    "BLOCK",
+    "CONFIGS",
+    "FIELDS",
+    "MODES",
+    "SMALL",
+    "WORLD",
     "Stepper",
     "gradient_bytes",
     "interleave",
     "loss_diff",
     "per_step",
+    "run_configs",
     "run_steppers",
     "speed_report",
 ]
+
+# What both benchmarks step: a small transformers Llama, 2 ranks, these batches, DDP and each
+# mode, AdamW; and the memory fields they compare with plan_memory.
+WORLD, BATCH, BLOCK = 2, 4, 128
+SMALL = dict(
+    hidden_size=128,
+    intermediate_size=344,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=2048,
+    max_position_embeddings=256,
+)
+MODES = {"ts_repl": False, "ts_shard": True, "ts_full": "full"}
+CONFIGS = ("ddp", *MODES)
+ADAMW = dict(lr=1e-3)
+FIELDS = ("parameters", "gradients", "optimizer", "master")
 
 
 class Stepper:
@@ -82,6 +108,13 @@ def interleave(
                 out["wall"][s.name].append(w)
                 out["cpu"][s.name].append(c)
     return out
+
+
+def run_configs(make: Callable[[str], Stepper], opts: Any) -> dict:
+    """:func:`run_steppers` of ``make(name)`` for every one of :data:`CONFIGS`, on batches
+    of :data:`BATCH` x :data:`BLOCK` tokens of :data:`SMALL`'s vocabulary."""
+    steppers = {name: make(name) for name in CONFIGS}
+    return run_steppers(steppers, list(MODES), SMALL["vocab_size"], (BATCH, BLOCK), opts)
 
 
 def run_steppers(

@@ -53,11 +53,19 @@ import torch
 import torch.distributed as dist
 from _common import fmt_bytes, format_table, machine_info, run_ranks, write_json
 from _interleaved import (
+    ADAMW,
+    BATCH,
+    BLOCK,
+    CONFIGS,
+    FIELDS,
+    MODES,
+    SMALL,
+    WORLD,
     Stepper,
     gradient_bytes,
     loss_diff,
     per_step,
-    run_steppers,
+    run_configs,
     speed_report,
 )
 from report.freshness import hashes
@@ -65,16 +73,6 @@ from report.stats import verdict
 
 from torchshard import FlatParamModule, plan_memory
 
-WORLD, BATCH, BLOCK = 2, 4, 128
-SMALL = dict(
-    hidden_size=128,
-    intermediate_size=344,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    vocab_size=2048,
-    max_position_embeddings=256,
-)
 LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 LLAMA_7B = dict(
     hidden_size=4096,
@@ -86,12 +84,8 @@ LLAMA_7B = dict(
     max_position_embeddings=4096,
 )
 LORA_7B = dict(LORA, r=16, lora_alpha=32)
-MODES = {"ts_repl": False, "ts_shard": True, "ts_full": "full"}
-CONFIGS = ("ddp", *MODES)
-ADAMW = dict(lr=1e-3)
 TARGET_STEP = 1.0  # ts_repl / ddp, median step time
 TARGET_BYTES = 1.01  # gradients / (trainable x itemsize); optimizer / (8 x trainable)
-FIELDS = ("parameters", "gradients", "optimizer", "master")
 now = time.perf_counter
 
 
@@ -151,8 +145,7 @@ class Config(Stepper):
 
 def run(opts: argparse.Namespace) -> dict:
     """Every configuration on this rank, interleaved step by step: times, losses, memory."""
-    configs = {name: Config(name) for name in CONFIGS}
-    return run_steppers(configs, list(MODES), SMALL["vocab_size"], (BATCH, BLOCK), opts)
+    return run_configs(Config, opts)
 
 
 def measured_memory(ranks: list[dict]) -> dict:
