@@ -214,7 +214,8 @@ class FullyShard(Mode):
         storage = self._adopted()
         weights, rest = storage.stripe_weights, storage.frozen_weights
         grads = self.grads.stripe_grads if self.grads is not None else weights
-        return tuple(t.numel() * t.element_size() for t in (weights, grads, rest))  # type: ignore[return-value]
+        nbytes = [t.numel() * t.element_size() for t in (weights, grads, rest)]
+        return nbytes[0], nbytes[1], nbytes[2]
 
     def master_bytes(self) -> int:
         if self.master_dtype == self._adopted().dtype:

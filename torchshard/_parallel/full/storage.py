@@ -109,6 +109,10 @@ class UnitBuffers:
         self.geometries = [unit_geometry(u, comm.world, layout.align) for u in units]
         self.pieces = [unit_pieces(layout, u, g) for u, g in zip(units, self.geometries)]
         """Per unit, what :attr:`stripe_weights` holds of it (:func:`~..units.unit_pieces`)."""
+        self._cuts = [
+            [stripe_parts(p, *g.range(q)) for q in range(comm.world)]
+            for p, g in zip(self.pieces, self.geometries)
+        ]  # per unit and rank: its parts and rest, computed once (a backward reads them)
         self.stripe_offsets: list[int] = []
         """Where unit ``u``'s stripe starts in :attr:`stripe_weights`."""
         self.mine: list[list[tuple[int, int, torch.dtype, int]]] = []
@@ -119,7 +123,7 @@ class UnitBuffers:
         :attr:`frozen_weights` ``[at, at + end - start)``."""
         at = kept = 0
         for u in range(len(units)):
-            parts, rest = stripe_parts(self.pieces[u], *self.geometries[u].range(self.rank))
+            parts, rest = self._cuts[u][self.rank]
             self.stripe_offsets.append(at)
             self.mine.append([])
             for a, b, d in parts:
@@ -160,7 +164,7 @@ class UnitBuffers:
             for a, b, dtype in storage.parts(u, q):
                 typed = storage.buffers[u][a - unit.start : b - unit.start].view(dtype)
         """
-        return stripe_parts(self.pieces[u], *self.geometries[u].range(rank))[0]
+        return self._cuts[u][rank][0]
 
     def typed(self, t: torch.Tensor, u: int, a: int, b: int, d: torch.dtype) -> torch.Tensor:
         """Flat ``[a, b)`` of ``t``, a buffer laid out like unit ``u``'s, as ``d``."""
