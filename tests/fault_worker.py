@@ -120,13 +120,13 @@ def main(argv: list[str] | None = None) -> None:
         # Fault injection inside the background writer of the chosen step's save.
         write_files, commit = _ckpt._write_files, _ckpt.commit
 
-        def dying_write(t, share, tmp):
+        def dying_write(t, share, tmp, *rest):
             if share.step == kill_step and when == "during-save":
-                name = next(iter(write_files(t, share, tmp)))  # this rank's files, durable
+                name = next(iter(write_files(t, share, tmp, *rest)))  # this rank's files, durable
                 with open(tmp / name, "r+b") as f:  # then half of one is lost
                     f.truncate(f.seek(0, 2) // 2)
                 die(f"while writing step {share.step}")
-            return write_files(t, share, tmp)
+            return write_files(t, share, tmp, *rest)
 
         def dying_commit(tmp, path, *a, **kw):
             if path.name == f"step-{kill_step:08d}":

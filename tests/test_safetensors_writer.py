@@ -91,3 +91,71 @@ def test_the_writeback_hint_is_the_real_call(tmp_path):
         assert reader.verify() == []
     finally:
         reader.close()
+
+
+def direct_io_here(path) -> bool:
+    """Whether the filesystem of ``path`` opens files for direct I/O."""
+    if not w._O_DIRECT:
+        return False
+    try:
+        fd = w.os.open(path / "probe", w.os.O_WRONLY | w.os.O_CREAT | w._O_DIRECT, 0o666)
+    except OSError:
+        return False
+    w.os.close(fd)
+    (path / "probe").unlink()
+    return True
+
+
+@pytest.mark.parametrize("block", [2 * 4096, 16 * MiB])
+def test_direct_io_writes_the_same_file(tmp_path, monkeypatch, block):
+    """Through a small block (many flushes, a tensor across several, a padded tail cut
+    back) and the default one: the bytes and checksums of a buffered write."""
+    monkeypatch.setattr(w, "_WRITE_BLOCK", 5 * MiB)
+    plain = w.write_safetensors(tmp_path / "plain.safetensors", tensors())
+    flags: list[int] = []
+    real_flush = w._Direct.flush
+
+    def flush(self):
+        flags.append(w.fcntl.fcntl(self.fd, w.fcntl.F_GETFL) if w._O_DIRECT else 0)
+        real_flush(self)
+
+    monkeypatch.setattr(w._Direct, "flush", flush)
+    entries = [(n, t.dtype, tuple(t.shape)) for n, t in tensors()]
+    with w.SafetensorsWriter(
+        tmp_path / "d.safetensors", entries, None, w.DirectBlock(block)
+    ) as out:
+        for _, t in tensors():
+            out.write_tensor(t)
+        out.write_zeros(0)
+        direct = out.finish()
+    assert (tmp_path / "d.safetensors").read_bytes() == (
+        tmp_path / "plain.safetensors"
+    ).read_bytes()
+    assert direct == plain
+    if direct_io_here(tmp_path):  # the data went around the page cache
+        assert len(flags) >= (2 if block == 16 * MiB else 100)
+        assert all(f & w._O_DIRECT for f in flags), flags
+    else:  # e.g. a tmpfs without O_DIRECT: the same file through the page cache
+        assert flags == []
+
+
+def test_a_refused_direct_write_goes_through_the_page_cache(tmp_path, monkeypatch):
+    if not direct_io_here(tmp_path):
+        pytest.skip("this filesystem has no direct I/O to refuse")
+    real = w.os.pwrite
+    refused: list[int] = []
+
+    def pwrite(fd, data, pos):
+        if not refused:
+            refused.append(pos)
+            raise OSError(22, "Invalid argument")
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(w.os, "pwrite", pwrite)
+    record = w.write_safetensors(tmp_path / "x.safetensors", tensors(), direct=w.DirectBlock(4096))
+    monkeypatch.undo()
+    plain = w.write_safetensors(tmp_path / "plain.safetensors", tensors())
+    assert refused == [0] and record == plain
+    assert (tmp_path / "x.safetensors").read_bytes() == (
+        tmp_path / "plain.safetensors"
+    ).read_bytes()

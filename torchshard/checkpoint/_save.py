@@ -36,7 +36,7 @@ from .._log import get_logger
 from ._format import check_save_args, commit, model_file, optim_file, prepare, rotate, tmp_dir
 from ._rendezvous import Rendezvous
 from ._safetensors import FileRecord
-from ._safetensors_writer import SafetensorsWriter, write_safetensors
+from ._safetensors_writer import DirectBlock, SafetensorsWriter, write_safetensors
 from ._share import Share, collect
 from ._staging import (
     CpuStager,
@@ -104,6 +104,7 @@ class Writer:
         self._inflight: CheckpointFuture | None = None
         self._fence = Fence()
         self._copying: torch.cuda.Event | None = None  # the last save's copies from the GPU
+        self._direct: DirectBlock | None = None  # staged saves' files go to the disk through it
 
     @property
     def pinned_bytes(self) -> int:
@@ -166,7 +167,12 @@ class Writer:
             self._copying = gpu.done  # what a failed writer may leave running
         if stage and optimizer is not None:
             self.fence(optimizer)
-        future = self._pool.submit(self._write, target, device, share, root, seq, keep_last, staged)
+        if stage and self._direct is None:
+            self._direct = DirectBlock()
+        direct = self._direct if stage else None  # staged bytes change under no one: direct I/O
+        future = self._pool.submit(
+            self._write, target, device, share, root, seq, keep_last, staged, direct
+        )
         result = CheckpointFuture(future)
         self._inflight = result
         return result
@@ -180,6 +186,7 @@ class Writer:
         seq: int,
         keep_last: int | None,
         staged: Staged,
+        direct: DirectBlock | None,
     ) -> Path:
         """The background thread's part of a save: the four steps of the module docstring."""
         tmp = tmp_dir(root, share.step)  # (these two make no CUDA call)
@@ -198,7 +205,7 @@ class Writer:
                         f"{meet.their_dir()}; every rank must save to the same directory, on a "
                         "filesystem all ranks share"
                     )
-            records = _write_files(t, share, tmp)  # 2. write
+            records = _write_files(t, share, tmp, direct)  # 2. write
             meet.wrote(records)
         except BaseException as e:
             meet.failed(f"rank {t.rank}: {e}")
@@ -262,11 +269,13 @@ def _as_checkpoint_error(e: BaseException) -> CheckpointError:
     return CheckpointError(f"writing the checkpoint failed: {type(e).__name__}: {e}")
 
 
-def _write_files(t: Target, share: Share, tmp: Path) -> dict[str, dict[str, Any]]:
+def _write_files(
+    t: Target, share: Share, tmp: Path, direct: DirectBlock | None = None
+) -> dict[str, dict[str, Any]]:
     records: dict[str, FileRecord] = {}
     if share.weights:
         name = model_file(t.rank, t.world)
-        records[name] = write_safetensors(tmp / name, share.weights)
+        records[name] = write_safetensors(tmp / name, share.weights, direct=direct)
     s, e = share.plan.state_range
     # each stream's elements in this range (stored: see stored_parts); a stream with none
     # here (parameters of several dtypes: none of its dtype) has no tensor in the file
@@ -275,7 +284,7 @@ def _write_files(t: Target, share: Share, tmp: Path) -> dict[str, dict[str, Any]
     if share.optim and e > s:
         name = optim_file(t.rank, t.world)
         entries = [(key, dtype, (n,)) for (key, dtype, _), n in streams]
-        with SafetensorsWriter(tmp / name, entries, {"range": f"{s},{e}"}) as out:
+        with SafetensorsWriter(tmp / name, entries, {"range": f"{s},{e}"}, direct) as out:
             for (_, dtype, pieces), _ in streams:
                 for piece in pieces:
                     if isinstance(piece, int):
