@@ -269,8 +269,8 @@ def _apply(
     flat_state: dict[Stream, tuple[torch.Tensor, Holding]] = {}
     for stream, host in share.optim.items():
         hold = share.holdings[stream]
-        if hold.whole is None:
-            tensor = host.to(t.device, copy=True)
+        if hold.whole is None:  # read for this rank alone, and nothing else holds it
+            tensor = host.to(t.device)
         elif host.numel() == hold.whole:  # read in place (CPU): the exchange is left
             tensor = host
             fill(host, None, host.numel())
