@@ -159,3 +159,23 @@ def test_a_refused_direct_write_goes_through_the_page_cache(tmp_path, monkeypatc
     assert (tmp_path / "x.safetensors").read_bytes() == (
         tmp_path / "plain.safetensors"
     ).read_bytes()
+
+
+def test_an_async_save_writes_through_the_direct_block_and_close_frees_it(tmp_path):
+    from torchshard import FlatParamModule, checkpoint
+
+    fm = FlatParamModule(torch.nn.Linear(64, 64))
+    fm.bind(torch.randn(fm.numel), torch.zeros(fm.numel))
+    opt = torch.optim.AdamW(fm.parameters())
+    fm(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    ckpt = checkpoint.Checkpointer(tmp_path / "ckpt")
+    path = ckpt.save(fm, step=1, optimizer=opt).wait()
+    writer = ckpt._writer
+    assert writer._direct is not None  # an async save's files went through it
+    ckpt.close()
+    assert writer._direct is None and writer.arena.block is None
+    fresh = FlatParamModule(torch.nn.Linear(64, 64))
+    fresh.bind(torch.zeros(fresh.numel), torch.zeros(fresh.numel))
+    checkpoint.load(path, fresh)
+    assert torch.equal(fresh.flat_param, fm.flat_param)

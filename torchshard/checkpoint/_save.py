@@ -250,6 +250,7 @@ class Writer:
             self._fence.cuda = None
             self._copies_done()
             self.arena.release()
+            self._direct = None
 
 
 def _as_checkpoint_error(e: BaseException) -> CheckpointError:
