@@ -185,7 +185,7 @@ class SafetensorsWriter:
 
     def _put(self, data: memoryview) -> None:
         if self._direct is not None:
-            self._put_direct(torch.frombuffer(bytearray(data), dtype=torch.uint8), False)
+            self._put_direct(_tensor_of(data), data=False)
             return
         try:
             _write_all(self._f, data)
@@ -238,11 +238,10 @@ class SafetensorsWriter:
             raise self._error(e) from e
 
     def write(self, data: memoryview) -> None:
-        if self._direct is not None:
-            self._count(len(data))
-            self._put_direct(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-            return
         self._count(len(data))
+        if self._direct is not None:
+            self._put_direct(_tensor_of(data))
+            return
         if len(data) < _CRC_ASIDE:
             self._checksum(data)
             self._put(data)
@@ -322,6 +321,11 @@ class SafetensorsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _tensor_of(data: memoryview) -> torch.Tensor:
+    """``data``'s bytes as a uint8 tensor (a copy: ``data`` may be read-only)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _write_all(f, data: memoryview) -> None:
