@@ -55,6 +55,8 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_parallel.units",
     },
     "_parallel.comm": {"_parallel.buckets"},
+    # the device mesh: every group created on every rank in one order
+    "_parallel.mesh": {"_dist", "_errors", "_parallel.comm"},
     "_parallel.seam": {"_flat.geometry", "_flat.module", "_parallel.comm", "_parallel.shards"},
     "_parallel.mode": {
         "_errors",
@@ -144,6 +146,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_log",
         "_parallel.buckets",
         "_parallel.comm",
+        "_parallel.mesh",
         "_parallel.mode",
         "_parallel.modes",
         "_parallel.optim",

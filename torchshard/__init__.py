@@ -6,6 +6,7 @@ from ._errors import (
     DataError,
     DeviceError,
     LayoutError,
+    MeshError,
     RankMismatchError,
     TorchShardError,
     UnwrittenBufferError,
@@ -14,6 +15,7 @@ from ._flat.layout import FlatLayout, ParamSlot, Region
 from ._flat.module import FlatParamModule
 from ._log import set_log_ranks
 from ._parallel.memory import RankMemory, plan_memory
+from ._parallel.mesh import Mesh, init_mesh
 from ._parallel.modes import FullShard, Replicate, ShardOptimizer
 from ._parallel.shards import LocalShards, MemoryStats
 from ._parallel.trainer import CommStats, DistributedTrainer
@@ -35,6 +37,8 @@ __all__ = [
     "LayoutError",
     "LocalShards",
     "MemoryStats",
+    "Mesh",
+    "MeshError",
     "ParamSlot",
     "RankMemory",
     "RankMismatchError",
@@ -45,6 +49,7 @@ __all__ = [
     "UnwrittenBufferError",
     "__version__",
     "init_distributed",
+    "init_mesh",
     "plan_memory",
     "set_log_ranks",
 ]

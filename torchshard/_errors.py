@@ -14,6 +14,7 @@ __all__ = [
     "DataError",
     "DeviceError",
     "LayoutError",
+    "MeshError",
     "RankMismatchError",
     "TorchShardError",
     "UnwrittenBufferError",
@@ -35,6 +36,14 @@ class BindError(TorchShardError, ValueError):
 
 class DeviceError(TorchShardError, RuntimeError):
     """No device fits this rank: more ranks on a node than GPUs, or no local rank to pick one."""
+
+
+class MeshError(TorchShardError, ValueError):
+    """A device mesh that does not fit the job: sizes that do not tile the world size, or a
+    node size (``LOCAL_WORLD_SIZE``) the shard size does not divide (:func:`init_mesh`).
+
+    Raised on every rank alike.
+    """
 
 
 class RankMismatchError(TorchShardError):
