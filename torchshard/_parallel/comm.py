@@ -24,6 +24,7 @@ __all__ = [
     "AllReduce",
     "BucketComm",
     "Mesh1D",
+    "ReduceAcrossReplicas",
     "ReduceSpec",
     "ReduceToOwner",
     "fill_mask",
@@ -142,7 +143,14 @@ class ReduceSpec:
 
 class BucketComm(Protocol):
     """How one bucket travels and where it lands; the reducer calls :meth:`launch` once per
-    bucket, in bucket order, on every rank (during backward, on the autograd thread)."""
+    bucket, in bucket order, on every rank (during backward, on the autograd thread).
+
+    A comm with a second stage that must not run from a future's callback (a collective
+    issued from a backend's thread could be issued in another order on another rank) may
+    also define ``flush() -> int``: the reducer calls it once the launches' futures
+    completed; it finishes the second stage, waits for it, and returns the bytes it sent
+    across replicas (see :class:`ReduceAcrossReplicas`).
+    """
 
     fuses_mask: ClassVar[bool]
     """The used-parameter mask may ride in a bucket's buffer: the comm delivers the result
@@ -262,3 +270,74 @@ class ReduceToOwner:
             return settled(work, view)  # nothing lands here
         dest = self.sink(bucket) if self.sink is not None and wire is not view else view
         return landed(work, wire, dest)
+
+
+class ReduceAcrossReplicas(ReduceToOwner):
+    """Hybrid sharding's reduction (ZeRO-2 inside a shard group, then across replicas): each
+    bucket is reduced to the owner of its range in the shard group (``mesh``), then the
+    owner all-reduces the reduced bucket over ``replicas``, the ranks that own the same
+    range in the other replicas (Megatron's distributed optimizer with several instances).
+
+    The all-reduces are issued in bucket order on every rank, from the launching thread
+    only: during backward, each launch first issues those whose reduction has completed
+    (asked without waiting); :meth:`flush` issues the rest and waits for all. The reduced
+    bucket lands (in ``sink``'s tensor when it travelled in another dtype) at the flush.
+
+    Example::
+
+        comm = ReduceAcrossReplicas(shard_mesh, replica_mesh, lambda b: geometry.owner(b.start))
+        comm.launch(view, spec, bucket).wait()
+        comm.flush()   # now view holds the sum over every replica's shard group
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh1D,
+        replicas: Mesh1D,
+        owner: Callable[[Bucket], int],
+        sink: Callable[[Bucket], torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__(mesh, owner, sink)
+        self.replicas = replicas
+        # owned buckets whose reduction was issued, not yet their all-reduce, in order:
+        # (reduce, wire, where it lands, spec); then the all-reduces issued: (work, wire, dest)
+        self._reduced: list[tuple[dist.Work, torch.Tensor, torch.Tensor, ReduceSpec]] = []
+        self._across: list[tuple[dist.Work, torch.Tensor, torch.Tensor]] = []
+        self._sent = 0
+
+    def launch(self, view: torch.Tensor, spec: ReduceSpec, bucket: Bucket) -> Future[torch.Tensor]:
+        """Reduce ``view`` to its owner in the shard group; the future completes with that
+        stage (the all-reduce across replicas follows, in order)."""
+        self._advance(wait=False)
+        wire = spec.on_wire(view)
+        spec.scale_before(wire)
+        owner = self.owner(bucket)
+        dst = self.mesh.global_rank(owner)
+        work = dist.reduce(wire, dst, op=spec.op, group=self.mesh.group, async_op=True)
+        if owner == self.mesh.rank:
+            dest = self.sink(bucket) if self.sink is not None and wire is not view else view
+            self._reduced.append((work, wire, dest, spec))
+        return settled(work, view)
+
+    def _advance(self, *, wait: bool) -> None:
+        """Issue the all-reduce of each owned bucket whose reduction completed, in order
+        (``wait``: waiting for each reduction; otherwise up to the first one in flight)."""
+        while self._reduced and (wait or self._reduced[0][0].is_completed()):
+            work, wire, dest, spec = self._reduced.pop(0)
+            work.wait()  # raises what the reduction raised; on NCCL: orders the streams
+            group = self.replicas.group
+            across = dist.all_reduce(wire, op=spec.op, group=group, async_op=True)
+            self._across.append((across, wire, dest))
+            self._sent += wire.numel() * wire.element_size()
+
+    def flush(self) -> int:
+        """Issue the remaining all-reduces, wait for every one, land each bucket; the bytes
+        all-reduced across replicas since the last flush."""
+        self._advance(wait=True)
+        for work, wire, dest in self._across:
+            work.wait()
+            if wire is not dest:
+                dest.copy_(wire)
+        self._across.clear()
+        sent, self._sent = self._sent, 0
+        return sent

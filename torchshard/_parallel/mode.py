@@ -33,8 +33,15 @@ from .units import Unit
 __all__ = ["Context", "Mode", "Segment", "clip_grad_norm", "summed_norm", "wire_gradients"]
 
 
-def summed_norm(local: torch.Tensor, norm_type: float, mesh: Mesh1D) -> torch.Tensor:
+def summed_norm(
+    local: torch.Tensor, norm_type: float, mesh: Mesh1D, replicas: int = 1
+) -> torch.Tensor:
     """The ``norm_type`` norm over every rank's part, from this rank's ``local`` norm.
+
+    ``replicas``: each part is held by that many ranks of ``mesh`` (hybrid sharding): the sum
+    over ``mesh`` is divided by it. One collective over the whole mesh, so every rank, and
+    every replica, gets the same bits (a sum over each shard group alone would rely on
+    several communicators rounding alike).
 
     Example::
 
@@ -47,6 +54,8 @@ def summed_norm(local: torch.Tensor, norm_type: float, mesh: Mesh1D) -> torch.Te
         return local
     power = local.pow(norm_type)
     dist.all_reduce(power, group=mesh.group)
+    if replicas > 1:
+        power.div_(replicas)
     return power.pow(1.0 / norm_type)
 
 
@@ -110,6 +119,9 @@ class Mode:
     native average, scale each bucket by ``1/world_size`` as it launches (DDP's order: the
     bucket is warm, the pass overlaps backward, none is left after)."""
     comm_type: type[BucketComm] = AllReduce
+    hybrid: bool = False
+    """A sharded mode that can cut over a mesh's shard group and all-reduce the reduced cut
+    across its replicas (``Context.shards``, ``Context.replicas``)."""
     """How a bucket travels (built over the mesh by :meth:`make_comm`)."""
     _fresh: bool = True  # prepare(): the module was not bound yet, the gradient gets mask room
     # (and is not bytes)
@@ -134,12 +146,16 @@ class Mode:
         group: dist.ProcessGroup | None,
         src: int,
         init_fn: Callable[[torch.nn.Module], None] | None,
+        shard_size: int | None = None,
     ) -> tuple[torch.nn.Parameter, ...]:
         """Bind ``fm`` to one flat buffer and one flat gradient on ``device`` (initializing a
-        meta-built model), weights broadcast from ``src``; the parameters by slot."""
+        meta-built model), weights broadcast from ``src`` over ``group``; the parameters by
+        slot. ``shard_size``: the ranks the buffer is cut over (hybrid sharding: a shard
+        group's; ``None``: the group's)."""
         mesh = Mesh1D.of(group)
-        n = self.flat_numel(fm.layout, mesh.size)
-        grad_n = Geometry.of(fm.layout.grad_layout, mesh.size, pad=self.pads).total
+        cut = mesh.size if shard_size is None else shard_size
+        n = self.flat_numel(fm.layout, cut)
+        grad_n = Geometry.of(fm.layout.grad_layout, cut, pad=self.pads).total
         fuse = self._fresh and mesh.size > 1 and self.comm_type.fuses_mask
         room = mask_room(fm.layout) if fuse else 0
         self._grad_store = bind_buffers(fm, n, device, init_fn, room, grad_n)
@@ -223,7 +239,9 @@ class Mode:
         if len(grads) > 1:  # typed pieces: combined in fp32 as one vector's norm would be
             norms = torch.stack([local.float(), *(_norm(g, norm_type).float() for g in grads[1:])])
             local = torch.linalg.vector_norm(norms, norm_type)
-        return summed_norm(local, norm_type, ctx.mesh) if self.sharded else local
+        if not self.sharded:
+            return local
+        return summed_norm(local, norm_type, ctx.mesh, ctx.replica_count)
 
     def after_step(self, ctx: Context) -> None:
         """After ``optimizer.step()``."""
@@ -260,11 +278,15 @@ def wire_gradients(
     bucket_bytes: float,
     native: dist.ReduceOp.RedOpType | None,
     reduce_dtype: torch.dtype | None = None,
+    cut: Mesh1D | None = None,
+    replicas: Mesh1D | None = None,
 ) -> tuple[Context, tuple[Bucket, ...], GradSync]:
     """The gradient path of a trainer whose module ``mode`` adopted (``params``, by slot):
     the division policy, once (:meth:`ReduceSpec.of`: ``native`` is the backend's averaging
     op, else ``None``; gradients reduced in ``reduce_dtype``), the context, the buckets
-    (with the mode's cuts), the mode's state and its gradient sync.
+    (with the mode's cuts), the mode's state and its gradient sync. ``cut`` and
+    ``replicas``: hybrid sharding's shard and replicate groups (``mesh`` is the
+    data-parallel group, the mean's).
 
     Example::
 
@@ -276,8 +298,8 @@ def wire_gradients(
     )
     trainable = fm.layout.trainable
     # gradients, buckets and the optimizer's part live in the trainable slots' space
-    grads = Geometry.of(fm.layout.grad_layout, mesh.size, pad=mode.pads)
-    ctx = Context(fm, mesh, device, grads, params, trainable, spec)
+    grads = Geometry.of(fm.layout.grad_layout, (cut or mesh).size, pad=mode.pads)
+    ctx = Context(fm, mesh, device, grads, params, trainable, spec, cut, replicas)
     cuts = mode.bucket_cuts(ctx)
     planned = plan_buckets(fm.layout.grad_layout, bucket_bytes, total=grads.total, cuts=cuts)
     # a bucket names its parameters by their slot in the layout

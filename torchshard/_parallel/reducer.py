@@ -78,6 +78,7 @@ class BucketReducer:
         self._store = store if fuse else None
         self._fused = store[: len(ctx.trainable)] if fuse and store is not None else None
         self._sent = False
+        self._flush = getattr(comm, "flush", None)  # a two-stage comm's second stage
         # The mask's own all-reduce, for comms whose buckets cannot carry it: persistent,
         # on the device, so filling it is a kernel and not a host-to-device copy.
         self._mask = torch.zeros(len(ctx.trainable), dtype=torch.int32, device=ctx.device)
@@ -163,6 +164,8 @@ class BucketReducer:
             t0 = time.perf_counter()
             for fut in self.futures:
                 fut.wait()  # on NCCL: the current stream waits, the host does not
+            if self._flush is not None:  # the second stage, in order (peers reach it too)
+                self.stats.bytes_across_replicas += self._flush()
             self.stats.wait_seconds += time.perf_counter() - t0
             if not everywhere:
                 used = [bool(n) for n in mask.tolist()]

@@ -6,8 +6,8 @@
 - :class:`UpdateShard`: what the optimizer updates (segments, gradients, norm, after-step).
 
 :class:`Context` is what a mode may use of the trainer; it carries the mesh the ranks form
-(1-D today) and the division policy (:class:`~torchshard._parallel.comm.ReduceSpec`),
-decided once.
+(the data-parallel group, and under hybrid sharding its shard and replicate groups) and the
+division policy (:class:`~torchshard._parallel.comm.ReduceSpec`), decided once.
 """
 
 from __future__ import annotations
@@ -34,7 +34,12 @@ Segment = tuple[int, int, int, torch.Tensor]
 @dataclass(frozen=True)
 class Context:
     """What a mode may use of the trainer: the module, the mesh, the buffer's geometry and
-    the division policy."""
+    the division policy.
+
+    :attr:`mesh` is the data-parallel group: the mean is over its ranks (``world_size``), and
+    so are the used-parameter mask and the gradient norm. Under hybrid sharding the buffer is
+    cut over :attr:`shards` (a shard group) instead, and :attr:`replicas` hold the same cut.
+    """
 
     fm: FlatParamModule
     mesh: Mesh1D
@@ -47,6 +52,22 @@ class Context:
     """Slot indices of the parameters that require grad."""
     spec: ReduceSpec
     """How a sum over the ranks becomes the mean (computed once, by the trainer)."""
+    cut: Mesh1D | None = None
+    """Hybrid sharding: the ranks the buffer is cut over (a shard group of the mesh);
+    ``None``: :attr:`mesh` itself (see :attr:`shards`)."""
+    replicas: Mesh1D | None = None
+    """Hybrid sharding: the ranks holding the same cut in the other replicas, across which
+    a reduced cut is all-reduced; ``None``: no replicas."""
+
+    @property
+    def shards(self) -> Mesh1D:
+        """The ranks the buffer is cut over: :attr:`cut`, else the whole :attr:`mesh`."""
+        return self.mesh if self.cut is None else self.cut
+
+    @property
+    def replica_count(self) -> int:
+        """How many replicas hold each cut (1: none besides this one)."""
+        return 1 if self.replicas is None else self.replicas.size
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -102,6 +123,9 @@ class CommStats:
     bytes_gathered: int = 0
     """Bytes of weight buffers all-gathered (sharded: after each step; fully sharded: each
     unit before its forward and again before its backward), at their full size."""
+    bytes_across_replicas: int = 0
+    """Hybrid sharding: bytes of reduced gradient all-reduced across replicas (each owner's
+    buckets, over its replicate group), at their full size; 0 without replicas."""
 
 
 class Storage(Protocol):
@@ -120,6 +144,7 @@ class Storage(Protocol):
         group: dist.ProcessGroup | None,
         src: int,
         init_fn: Callable[[torch.nn.Module], None] | None,
+        shard_size: int | None = None,
     ) -> tuple[torch.nn.Parameter, ...]: ...
 
     def gathered(self) -> contextlib.AbstractContextManager[None]: ...

@@ -8,6 +8,12 @@ when the buffer is lower precision, or holds several dtypes); after its step eve
 slice is all-gathered. Frozen parameters are broadcast once and never reduced, updated or
 gathered.
 
+Hybrid sharding (a mesh with replicas): the slices are cut over the rank's shard group
+(``ctx.shards``); each bucket is reduced to its owner there and then all-reduced by the
+owners across the replicate group (``ctx.replicas``), so every replica holds the same
+reduced slice and takes the same step; the gather stays inside the shard group. The mean,
+the used-parameter mask and the norm are over the whole data-parallel group (``ctx.mesh``).
+
 With parameters of several dtypes the gradient space is bytes: the rank's slice is cut into
 typed parts where the dtype changes, and one fp32 master holds every part's elements back
 to back (the fp32 parts too: a copy, for the norms and routers such models keep in fp32).
@@ -24,7 +30,7 @@ from .._flat.geometry import sliced_numel
 from .._flat.layout import FlatLayout, as_dtype
 from .._flat.module import FlatParamModule
 from .buckets import Bucket
-from .comm import BucketComm, ReduceToOwner
+from .comm import BucketComm, ReduceAcrossReplicas, ReduceToOwner
 from .mode import Context, Mode, Segment
 from .setup import check_master_dtype
 from .shards import LocalShards
@@ -38,6 +44,7 @@ class ShardedOptimizer(Mode):
     sharded = True
     pads = True
     comm_type = ReduceToOwner
+    hybrid = True  # slices over a shard group, each reduced slice all-reduced across replicas
 
     def __init__(self, master_dtype: torch.dtype = torch.float32) -> None:
         self.master_dtype = master_dtype
@@ -73,7 +80,7 @@ class ShardedOptimizer(Mode):
             self._runs = layout.trainable_runs()
             self._weights = torch.zeros(ctx.geometry.total, dtype=ctx.flat.dtype, device=ctx.device)
             self._copy_in(ctx)
-        s0, e0 = ctx.geometry.range(ctx.rank)
+        s0, e0 = ctx.geometry.range(ctx.shards.rank)
         self._unit = ctx.fm.dtype.itemsize  # bytes per gradient-space position
         self._parts = _parts(layout.grad_layout, s0, e0, ctx.geometry.total, ctx.fm.dtype)
         if ctx.fm.dtype != self.master_dtype:
@@ -115,16 +122,20 @@ class ShardedOptimizer(Mode):
             self._weights[c : c + b - a].copy_(ctx.flat[a:b])
 
     def make_comm(self, ctx: Context) -> BucketComm:
-        """Each bucket reduced to the owner of its slice (a bucket never crosses a slice)."""
+        """Each bucket reduced to the owner of its slice (a bucket never crosses a slice);
+        with replicas, then all-reduced across them by its owners."""
         geometry = ctx.geometry
         master = self._master_grad
         sink = None
         if master is not None and ctx.spec.dtype == master.dtype:  # reduce_dtype=master's
             sink = lambda b: master[slice(*self._in_master(b.start, b.end))]  # noqa: E731
-        return ReduceToOwner(ctx.mesh, lambda b: geometry.owner(b.start), sink)
+        owner = lambda b: geometry.owner(b.start)  # noqa: E731
+        if ctx.replicas is not None:
+            return ReduceAcrossReplicas(ctx.shards, ctx.replicas, owner, sink)
+        return ReduceToOwner(ctx.mesh, owner, sink)
 
     def finish(self, ctx: Context) -> None:
-        s0, e0 = ctx.geometry.range(ctx.rank)
+        s0, e0 = ctx.geometry.range(ctx.shards.rank)
         mine = ctx.grad[s0:e0]
         if self._master_grad is not None:
             # reduced across ranks in the buffer's dtype (half the traffic in bf16), or in
@@ -145,18 +156,18 @@ class ShardedOptimizer(Mode):
         return t[slice(*self._in_master(a, b))]
 
     def _params(self, ctx: Context) -> torch.Tensor:
-        s0, e0 = ctx.geometry.range(ctx.rank)
+        s0, e0 = ctx.geometry.range(ctx.shards.rank)
         return self._master if self._master is not None else self._space(ctx)[s0:e0]
 
     def local_grad(self, ctx: Context) -> torch.Tensor:
-        s0, e0 = ctx.geometry.range(ctx.rank)
+        s0, e0 = ctx.geometry.range(ctx.shards.rank)
         return self._master_grad if self._master_grad is not None else ctx.grad[s0:e0]
 
     def local_grads(self, ctx: Context) -> list[torch.Tensor]:
         return [self.local_grad(ctx)]  # a mixed layout's has a master, in one dtype
 
     def optimizer_tensors(self, ctx: Context) -> list[Segment]:
-        s0, e0 = ctx.geometry.range(ctx.rank)
+        s0, e0 = ctx.geometry.range(ctx.shards.rank)
         layout = ctx.fm.layout
         if not self._pieces:
             for i, g in zip(layout.trainable, layout.grad_layout.slots):
@@ -187,16 +198,16 @@ class ShardedOptimizer(Mode):
     def gather(self, ctx: Context) -> None:
         """Copy the master slice into the weights and all-gather every rank's slice."""
         space = self._space(ctx)
-        s0, e0 = ctx.geometry.range(ctx.rank)
+        s0, e0 = ctx.geometry.range(ctx.shards.rank)
         if self._master is not None:
             self._copy_master(ctx, into_master=False)
-        if ctx.world_size > 1:
+        if ctx.shards.size > 1:
             # In place, one call on every backend (gloo implements it too since torch 2.x,
             # at the speed of a list all_gather): rank r's slice is input and output at
             # offset r * per_rank, NCCL's in-place condition. all_gather_single is its 2.13
             # name.
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            gather(space[: ctx.geometry.total], space[s0:e0], group=ctx.group)
+            gather(space[: ctx.geometry.total], space[s0:e0], group=ctx.shards.group)
             self.bytes_gathered += ctx.geometry.total * space.element_size()
         for a, b, c in self._runs:  # the trainable copy back into the module's weights
             ctx.flat[a:b].copy_(space[c : c + b - a])
@@ -224,7 +235,7 @@ class ShardedOptimizer(Mode):
         # each run is a region of the flat buffer, cut where the ranks' slices of the
         # gradient space cut it
         ranges = ctx.geometry.ranges()
-        s0, e0 = ranges[ctx.rank]
+        s0, e0 = ranges[ctx.shards.rank]
         regions, every, offsets = [], [], []
         for a, b, c in runs:
             cuts = []
@@ -235,7 +246,7 @@ class ShardedOptimizer(Mode):
             every.append(cuts)
             lo, hi = max(s0, c), min(e0, c + b - a)
             offsets.append(self._in_master(lo, hi)[0] if lo < hi else 0)
-        return LocalShards.of(self._params(ctx), regions, every, ctx.rank, offsets)
+        return LocalShards.of(self._params(ctx), regions, every, ctx.shards.rank, offsets)
 
     def master_bytes(self) -> int:
         """The master copy and its gradient, and the trainable weights' copy (if any)."""

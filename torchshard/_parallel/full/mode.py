@@ -104,10 +104,12 @@ class FullyShard(Mode):
         group: dist.ProcessGroup | None,
         src: int,
         init_fn: Callable[[nn.Module], None] | None,
+        shard_size: int | None = None,
     ) -> tuple[nn.Parameter, ...]:
         """Shard ``fm`` over the group: unit buffers (freed), parameters as their views, this
         rank's stripes filled from ``fm``'s weights (bound, real, or initialized from meta one
-        unit at a time) as ``src`` holds them. Returns the parameters by slot."""
+        unit at a time) as ``src`` holds them. Returns the parameters by slot. Not hybrid:
+        always cut over the whole group (``shard_size`` is its size)."""
         if not self.units:
             self.prepare(fm)
         self.comm = UnitComm(group, device, native=self.native_gloo)
