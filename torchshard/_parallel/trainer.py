@@ -17,6 +17,7 @@ from .._flat.module import FlatParamModule
 from .._log import get_logger
 from .._stepped import allow, forbid, held_state_bytes
 from .comm import Mesh1D
+from .mesh import Mesh, split_dp
 from .mode import Mode, Segment, clip_grad_norm, wire_gradients
 from .modes import Choice, choose, entry_for
 from .optim import GroupRule
@@ -60,6 +61,12 @@ class DistributedTrainer:
             the local CUDA device under NCCL, else CPU).
         process_group: default: the default group, initialized from torchrun's
             environment if needed (see :func:`init_distributed`).
+        mesh: a :class:`Mesh` from :func:`init_mesh` instead of ``process_group``
+            (not both): the trainer runs over its data-parallel group ``mesh.dp``; with
+            ``dp_replicate > 1`` and ``shard=True``, hybrid sharding: slices cut over the
+            shard group, each reduced slice all-reduced across the replicas (the mean, the
+            used-parameter mask and the norm over ``mesh.dp``). ``rank`` and
+            ``world_size`` are the data-parallel rank and size.
         bucket_mb: bucket size in MiB; fractions allowed.
         src: the rank whose weights everyone starts from.
         init_fn: how to initialize a meta-built model, as in
@@ -111,6 +118,7 @@ class DistributedTrainer:
         *,
         device: torch.device | str | None = None,
         process_group: dist.ProcessGroup | None = None,
+        mesh: Mesh | None = None,
         bucket_mb: float = 25,
         src: int = 0,
         init_fn: Callable[[torch.nn.Module], None] | None = None,
@@ -131,18 +139,20 @@ class DistributedTrainer:
         check_reduce_dtype(reduce_dtype)
         if process_group is None:
             init_distributed()
-        self._group = process_group
-        self._mesh = Mesh1D.of(process_group)
+        # the one place modes are chosen
+        loose = (master_dtype, units, prefetch, reshard_after_forward)
+        self._mode, self.shard = _pick_mode(shard, *loose)
+        # the data-parallel group; hybrid sharding's shard and replicate groups, if any
+        self._group, self._cut, self._across = _groups(mesh, process_group, self._mode, shard)
+        self._mesh = Mesh1D.of(self._group)
         self.rank, self.world_size = self._mesh.rank, self._mesh.size
         if not 0 <= src < self.world_size:
             raise TorchShardError(f"src: expected a rank in [0, {self.world_size}), got {src}")
         self.module = fm
         self.device = pick_device(fm, device, self._group)
-        # the one place modes are chosen
-        loose = (master_dtype, units, prefetch, reshard_after_forward)
-        self._mode, self.shard = _pick_mode(shard, *loose)
         layout = fm.layout
-        self._geometry = Geometry.of(layout, self.world_size, pad=self._mode.pads)
+        cut = (self._cut or self._mesh).size  # the ranks the buffer is cut over
+        self._geometry = Geometry.of(layout, cut, pad=self._mode.pads)
         self.padded_numel = self._geometry.total
         self._closed = False
         track(self)  # closed at interpreter exit if nobody closes it before
@@ -151,7 +161,7 @@ class DistributedTrainer:
         # anything is allocated), bind (initializing meta weights), broadcast from src.
         self._mode.prepare(fm)
         token = check_same_model(fm, self._mode, self._group, self.device, src)
-        self._params = self._mode.adopt(fm, self.device, self._group, src, init_fn)
+        self._params = self._mode.adopt(fm, self.device, self._group, src, init_fn, cut)
         self._flat = fm.flat_param
         with fm.meta_buffers.preserved():  # src's zeros are no value: still unwritten
             self._broadcast_buffers(src)
@@ -170,6 +180,8 @@ class DistributedTrainer:
             bucket_mb * 2**20,
             self._mean_op,
             reduce_dtype,
+            self._cut,
+            self._across,
         )
         self._optimizer: torch.optim.Optimizer | None = None
         self.group_names: list[list[str]] = []  # per param group of make_optimizer's optimizer
@@ -188,6 +200,11 @@ class DistributedTrainer:
     def process_group(self) -> dist.ProcessGroup | None:
         """The group the trainer communicates over (``None``: the default group)."""
         return self._group
+
+    @property
+    def replicas(self) -> int:
+        """Hybrid sharding: how many replicas hold each shard (1: none besides this one)."""
+        return 1 if self._across is None else self._across.size
 
     @property
     def coordinator(self) -> Coordinator | None:
@@ -233,7 +250,7 @@ class DistributedTrainer:
     def broadcast(self, src: int = 0) -> None:
         """Copy ``src``'s flat parameter buffer and module buffers to every rank."""
         self._check_open()
-        self._not_full("broadcast()")
+        _not_full(self._mode, self.shard, "broadcast()")
         if not 0 <= src < self.world_size:
             raise TorchShardError(f"src: expected a rank in [0, {self.world_size}), got {src}")
         if self.world_size == 1:
@@ -249,14 +266,6 @@ class DistributedTrainer:
             root = self._mesh.global_rank(src)
             for b in self.module.module.buffers():
                 dist.broadcast(b, root, group=self._group)
-
-    def _not_full(self, what: str) -> None:
-        if not self._mode.whole_weights:
-            raise TorchShardError(
-                f"{what}: not available with shard={self.shard!r}: each rank holds only its stripes "
-                "of the weights (they are the same everywhere by construction); use "
-                "`with trainer.gathered():` to see every weight"
-            )
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -285,7 +294,7 @@ class DistributedTrainer:
                 trainer.all_reduce_parameters()
         """
         self._check_open()
-        self._not_full("all_reduce_parameters()")
+        _not_full(self._mode, self.shard, "all_reduce_parameters()")
         flat = self.module.flat_param
         assert flat is not None
         for typed in self.module.layout.typed(flat):  # each dtype apart
@@ -583,6 +592,24 @@ class DistributedTrainer:
                 "the FlatParamModule was bound to another buffer after the trainer was created "
                 "(fm.bind(), fm.to(), ...); create the trainer after moving the model"
             )
+
+
+def _not_full(mode: Mode, shard: object, what: str) -> None:
+    """Refuse ``what`` where the weights are not whole on every rank."""
+    if not mode.whole_weights:
+        raise TorchShardError(
+            f"{what}: not available with shard={shard!r}: each rank holds only its stripes "
+            "of the weights (they are the same everywhere by construction); use "
+            "`with trainer.gathered():` to see every weight"
+        )
+
+
+def _groups(
+    mesh: Mesh | None, process_group: dist.ProcessGroup | None, mode: Mode, shard: object
+) -> tuple[dist.ProcessGroup | None, Mesh1D | None, Mesh1D | None]:
+    """The trainer's data-parallel group, and the shard and replicate groups of a hybrid
+    mode over a mesh with replicas (:func:`split_dp`)."""
+    return split_dp(mesh, process_group, sharded=mode.sharded, hybrid=mode.hybrid, shard=shard)
 
 
 def _pick_mode(

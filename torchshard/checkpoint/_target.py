@@ -59,6 +59,12 @@ class Target:
         self.trainer = obj if isinstance(obj, TrainState) else None
         if self.trainer is not None:
             t = self.trainer
+            if getattr(t, "replicas", 1) > 1:
+                raise CheckpointError(
+                    f"trainer: hybrid sharding (a mesh with dp_replicate={t.replicas}) has no "
+                    "checkpoint support yet; save from a trainer over a mesh with "
+                    "dp_replicate=1 or over process_group="
+                )
             self.fm, self.group = t.module, t.process_group
             self.rank, self.world, self.device = t.rank, t.world_size, t.device
         elif isinstance(obj, FlatParamModule):
