@@ -75,8 +75,8 @@ def _describe(kwargs: dict) -> dict:
     mesh = torchshard.init_mesh(**kwargs)
     out: dict = {
         "shape": mesh.shape,
-        "dp": (mesh.dp_rank, mesh.dp_size),
-        "tp": (mesh.tp_rank, mesh.tp_size),
+        "dp_at": (mesh.dp_rank, mesh.dp_size),
+        "tp_at": (mesh.tp_rank, mesh.tp_size),
         "world_is_world": mesh.world is dist.group.WORLD,
     }
     for name in _GROUPS:
@@ -92,7 +92,7 @@ def test_groups_at_4_ranks():
     for rank, got in enumerate(replicas):
         r, s = divmod(rank, 2)
         assert got["shape"] == (2, 2, 1)
-        assert got["dp"] == (rank, 4) and got["tp"] == (0, 1) and got["world_is_world"]
+        assert got["dp_at"] == (rank, 4) and got["tp_at"] == (0, 1) and got["world_is_world"]
         assert got["dp_shard"][0] == [2 * r, 2 * r + 1]
         assert got["dp_shard"][2] == 4 * r + 1  # 0 + 1, or 2 + 3
         assert got["dp_replicate"][0] == [s, s + 2]
@@ -107,7 +107,7 @@ def test_groups_at_4_ranks():
     tp = run_distributed(_describe, 4, {"tp": 2}, timeout=60)
     for rank, got in enumerate(tp):
         assert got["shape"] == (1, 2, 2)
-        assert got["dp"] == (rank // 2, 2) and got["tp"] == (rank % 2, 2)
+        assert got["dp_at"] == (rank // 2, 2) and got["tp_at"] == (rank % 2, 2)
         assert got["tp"][0] == [rank - rank % 2, rank - rank % 2 + 1]
         assert got["dp"][0] == got["dp_shard"][0] == [rank % 2, rank % 2 + 2]
     node = run_distributed(_describe, 4, {"dp_shard": "node"}, env={"LOCAL_WORLD_SIZE": "2"})
