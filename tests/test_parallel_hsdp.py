@@ -234,3 +234,41 @@ def test_bad_meshes_and_checkpoints_raise_clearly(tmp_path):
         assert "tp=2 is not implemented by DistributedTrainer yet" in seen[2]
         assert "mesh: expected a torchshard Mesh" in seen[3]
         assert "hybrid sharding (a mesh with dp_replicate=2) has no checkpoint support" in seen[4]
+
+
+def _hsdp_2x4_vs_ddp() -> dict:
+    rank = dist.get_rank()
+    mesh = torchshard.init_mesh(dp_replicate=2)
+    torch.manual_seed(0)
+    ref = Heads()
+    fm = FlatParamModule(copy.deepcopy(ref), align_bytes=4)
+    trainer = DistributedTrainer(fm, mesh=mesh, shard=True, bucket_mb=0.004)
+    trainer.make_optimizer(torch.optim.AdamW, **ADAMW)
+    ddp = DDP(ref, find_unused_parameters=True)
+    ddp_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    for step in range(3):
+        trainer.zero_grad()
+        fm(*batch(rank, step), **_flags(rank, step))[1].backward()
+        trainer.step()
+        ddp_opt.zero_grad()
+        ddp(*batch(rank, step), **_flags(rank, step))[1].backward()
+        ddp_opt.step()
+        trainer.assert_in_sync()
+    rel = max(
+        ((p - q).norm() / q.norm()).item() for p, q in zip(fm.module.parameters(), ref.parameters())
+    )
+    out = {
+        "shape": mesh.shape,
+        "rel": rel,
+        "sent": trainer.stats.bytes_across_replicas,
+        "padded": trainer.padded_numel,
+    }
+    trainer.close()
+    return out
+
+
+def test_hsdp_2x4_in_sync_and_near_ddp():
+    for got in run_distributed(_hsdp_2x4_vs_ddp, 8, timeout=180):
+        assert got["shape"] == (2, 4, 1)
+        assert got["rel"] <= 1e-5, got["rel"]
+        assert got["sent"] == 3 * got["padded"] // 4 * 4  # a quarter of the buffer, fp32
