@@ -149,6 +149,7 @@ class DistributedTrainer:
         if not 0 <= src < self.world_size:
             raise TorchShardError(f"src: expected a rank in [0, {self.world_size}), got {src}")
         self.module = fm
+        self.mesh = mesh  # the Mesh given (None: process_group=)
         self.device = pick_device(fm, device, self._group)
         layout = fm.layout
         cut = (self._cut or self._mesh).size  # the ranks the buffer is cut over
