@@ -7,12 +7,14 @@ activation checkpointing, parameters of several dtypes, ``gathered()``.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
 from gpt import GPT
 from multiprocess import run_distributed
+from probes import HostReads
 from sharded_harness import CFG, Model, batch
 from test_checkpoint_mixed import Mixed
 from torch import nn
@@ -178,3 +180,33 @@ def test_mixed_dtypes_stay_in_sync_and_near_plain(shard):
     for rel in run_distributed(_mixed, 4, shard, timeout=180):
         # another reduction order than the plain trainer's, in bf16 for the bf16 parameters
         assert rel <= 1e-2, rel
+
+
+def _host_reads(shard: object) -> dict[str, int]:
+    """Host reads (each a synchronization on a GPU) in steps 2 and 3 of a 2 x 2 run."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    mesh = torchshard.init_mesh(dp_replicate=2)
+    trainer = DistributedTrainer(
+        FlatParamModule(Model(), align_bytes=4), mesh=mesh, shard=shard, bucket_mb=0.004
+    )
+    trainer.make_optimizer(torch.optim.SGD, lr=1e-2, momentum=0.9)  # reads nothing back
+    total: Counter[str] = Counter()
+    for step in range(3):
+        counter = HostReads()
+        with counter:
+            trainer.zero_grad()
+            trainer.module(*batch(rank, step))[1].backward()
+            trainer.average_gradients()
+            trainer.clip_grad_norm_(1.0)
+            trainer.step()
+        if step > 0:  # step 0 builds the optimizer's state
+            total.update(counter.seen)
+    trainer.close()
+    return dict(total)
+
+
+@pytest.mark.parametrize("shard", MODES)
+def test_no_host_reads_in_a_hybrid_step(shard):
+    # the all-reduces across replicas are issued without waiting on the host (NCCL: queued)
+    assert run_distributed(_host_reads, 4, shard, timeout=180) == [{}] * 4
