@@ -317,3 +317,30 @@ def test_hsdp_2x4_in_sync_and_near_ddp(shard):
         assert got["sent"] == 3 * got["owned"] * 4  # what it owns, fp32, each step
         if shard is True:
             assert got["owned"] == got["padded"] // 4  # a quarter of the buffer
+
+
+def _shard_group_traffic(shard: object) -> dict:
+    """A 2 x 2 trainer beside a plain one over this rank's shard group (2 ranks): the same
+    bytes inside the shard group, step for step."""
+    mesh = torchshard.init_mesh(dp_replicate=2)
+    hybrid, plain = _trainer(mesh, shard), _trainer(None, shard, process_group=mesh.dp_shard)
+    _train(hybrid)
+    _train(plain)
+    got = {
+        name: (getattr(hybrid.stats, name), getattr(plain.stats, name))
+        for name in ("bytes_reduced", "bytes_gathered", "steps", "buckets")
+    }
+    got["across"] = hybrid.stats.bytes_across_replicas
+    got["owned"] = sum(g.numel() * g.element_size() for g in hybrid._mode.local_grads(hybrid._ctx))
+    hybrid.close()
+    plain.close()
+    return got
+
+
+@pytest.mark.parametrize("shard", [True, "full"])
+def test_shard_group_traffic_is_the_plain_mode_at_the_shard_size(shard):
+    for got in run_distributed(_shard_group_traffic, 4, shard, timeout=120):
+        for name in ("bytes_reduced", "bytes_gathered", "steps", "buckets"):
+            mine, plain = got[name]
+            assert mine == plain and (name == "buckets" or mine > 0), (name, got)
+        assert got["across"] == 3 * got["owned"]  # what this rank owns, once a step
