@@ -54,6 +54,15 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_parallel.sharded",
         "_parallel.units",
     },
+    # per-step communication of a plan: the memory planner's arguments, the units' geometry
+    "_parallel.traffic": {
+        "_flat.geometry",
+        "_flat.layout",
+        "_parallel.footprint",
+        "_parallel.memory",
+        "_parallel.modes",
+        "_parallel.units",
+    },
     "_parallel.comm": {"_parallel.buckets"},
     # the device mesh: every group created on every rank in one order
     "_parallel.mesh": {"_dist", "_errors", "_parallel.comm"},
@@ -282,9 +291,15 @@ ROOT = {  # shared ground floor, and the tools above the wings
         "_flat.layout",
         "_parallel.memory",
         "_parallel.modes",
+        "_parallel.traffic",
         "_parallel.units",
     },
-    "_estimate.table": {"_estimate.estimate", "_flat.layout", "_parallel.memory"},
+    "_estimate.table": {
+        "_estimate.estimate",
+        "_flat.layout",
+        "_parallel.memory",
+        "_parallel.traffic",
+    },
     "_estimate.command": {
         "_estimate.estimate",
         "_estimate.model",

@@ -18,6 +18,7 @@ from ._parallel.memory import RankMemory, plan_memory
 from ._parallel.mesh import Mesh, init_mesh
 from ._parallel.modes import FullShard, Replicate, ShardOptimizer
 from ._parallel.shards import LocalShards, MemoryStats
+from ._parallel.traffic import CommPlan, plan_comm
 from ._parallel.trainer import CommStats, DistributedTrainer
 from .data import GlobalBatchSampler
 
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BindError",
+    "CommPlan",
     "CommStats",
     "DataError",
     "DeviceError",
@@ -50,6 +52,7 @@ __all__ = [
     "__version__",
     "init_distributed",
     "init_mesh",
+    "plan_comm",
     "plan_memory",
     "set_log_ranks",
 ]

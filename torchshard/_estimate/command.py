@@ -123,7 +123,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "(parameters, gradients, optimizer state, fp32 master weights and their gradient; "
         "fully sharded, also the unit buffers gathered during a step), replicated, sharded "
         "and fully sharded, "
-        "and with --device-memory the smallest world size that fits. Activations, temporary "
+        "and with --device-memory the smallest world size that fits (and, at N ranks, the "
+        "smallest hybrid-sharding shard group). Activations, temporary "
         "buffers, the CUDA context and allocator fragmentation are not counted.",
     )
     p.add_argument(
@@ -133,6 +134,21 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "with its defaults, or 'module:callable' returning an nn.Module",
     )
     p.add_argument("--world-size", type=_positive_int, required=True, metavar="N")
+    p.add_argument(
+        "--dp-replicate",
+        type=_positive_int,
+        default=1,
+        metavar="R",
+        help="hybrid sharding, init_mesh(dp_replicate=R): the sharded modes cut their state "
+        "over shard groups of N / R ranks and all-reduce it across R replicas (default: 1)",
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=_positive_int,
+        metavar="G",
+        help="ranks per node: say which groups' traffic crosses nodes (prints the per-step "
+        "communication)",
+    )
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="default: bf16")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default: adamw")
     p.add_argument(
@@ -242,6 +258,13 @@ def run(args: argparse.Namespace) -> str:
     """
     overrides = dict(args.overrides)
     trainable = trainable_of(args)  # checked before the model is built
+    if args.world_size % args.dp_replicate:
+        divisors = [d for d in range(1, args.world_size + 1) if args.world_size % d == 0]
+        raise EstimateError(
+            f"--dp-replicate {args.dp_replicate}: expected a divisor of --world-size "
+            f"{args.world_size} (the shard groups must tile the ranks), one of "
+            f"{', '.join(map(str, divisors[:12]))}{', ...' if len(divisors) > 12 else ''}"
+        )
     dtype = DTYPES[args.dtype]
     if is_factory(args.model):
         if overrides:
@@ -271,6 +294,8 @@ def run(args: argparse.Namespace) -> str:
         model=args.model,
         model_class=model_class,
         trainable=trainable,
+        dp_replicate=args.dp_replicate,
+        gpus_per_node=args.gpus_per_node,
     )
     if args.json:
         return json.dumps(report.to_dict(), indent=1)

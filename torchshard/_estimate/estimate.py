@@ -3,7 +3,10 @@
 The model's flat layout goes through :func:`plan_memory`, the rules the trainer allocates
 by, in each mode of the registry (``_parallel/modes.py``); the fully sharded mode's unit
 buffers are counted at their peak as ``transient``. With a device's memory, the smallest
-world size that fits comes from :func:`bounds` and exact plans, the same memory model.
+world size that fits comes from :func:`bounds` and exact plans, the same memory model, and
+so does the smallest ``dp_shard`` (a divisor of the world size) at which hybrid sharding fits.
+With ``dp_replicate`` the sharded modes are planned at the shard size, and each mode's
+per-step communication (:func:`plan_comm`) is split into the shard group's and the replicas'.
 Activations, temporary buffers, the CUDA context and allocator fragmentation are not counted.
 """
 
@@ -18,6 +21,7 @@ import torch
 from .._flat.layout import FlatLayout, dtype_name
 from .._parallel.memory import OPTIMIZER_STATES, RankMemory, bounds, floor, plan_memory
 from .._parallel.modes import ALIASES, ModeEntry, entry_for, is_alias, listing
+from .._parallel.traffic import CommPlan, plan_comm
 from .._parallel.units import Unit, layout_units
 from .model import EstimateError
 from .trainable import EVERY_PARAMETER, Trainable
@@ -59,6 +63,11 @@ class ModeEstimate:
     spread: int  # bytes between the worst and the best rank's totals
     min_world_size: int | None  # smallest world size that fits the budget; None: none does
     floor: int = 0  # below the worst rank's total at every world size
+    # hybrid sharding at the world size: the smallest dp_shard (a divisor of it) whose worst
+    # rank fits the budget, and that rank's total; None: none does, or not divided, or no budget
+    min_shard_size: int | None = None
+    min_shard_total: int | None = None
+    comm: CommPlan | None = None  # bytes per rank and step, in the shard group and across
 
     @property
     def entry(self) -> ModeEntry:
@@ -76,6 +85,9 @@ class ModeEstimate:
             "total": self.worst.total,
             "spread": self.spread,
             "min_world_size": self.min_world_size,
+            "min_shard_size": self.min_shard_size,
+            "min_shard_total": self.min_shard_total,
+            **({"comm": self.comm.to_dict()} if self.comm is not None else {}),
         }
 
 
@@ -109,6 +121,13 @@ class MemoryEstimate:
     # (dtype, parameter bytes, trainable bytes) for each of the parameters' dtypes, in layout
     # order; empty: every parameter is of ``dtype``
     dtype_bytes: tuple[tuple[torch.dtype, int, int], ...] = ()
+    dp_replicate: int = 1  # hybrid sharding: replicas of each shard group
+    gpus_per_node: int | None = None  # ranks per node: which groups cross nodes
+
+    @property
+    def dp_shard(self) -> int:
+        """The ranks a sharded mode cuts its state over: ``world_size // dp_replicate``."""
+        return self.world_size // self.dp_replicate
 
     @property
     def trainable_bytes(self) -> int:
@@ -168,6 +187,9 @@ class MemoryEstimate:
             "master_dtype": dtype_name(MASTER_DTYPE),
             "optimizer": self.optimizer,
             "world_size": self.world_size,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "gpus_per_node": self.gpus_per_node,
             "device_memory": self.device_memory,
             "reserve": self.reserve,
             "budget": self.budget,
@@ -201,6 +223,22 @@ def _min_world_size(
     return None
 
 
+def _min_shard_size(
+    layout: FlatLayout, world_size: int, budget: int, how: dict[str, Any]
+) -> tuple[int, int] | None:
+    """The smallest ``dp_shard`` dividing ``world_size`` whose worst rank fits ``budget`` under
+    hybrid sharding (``dp_replicate = world_size // dp_shard``), and that rank's total; each
+    divisor bracketed by :func:`bounds` first, as :func:`_min_world_size` does."""
+    for n in (d for d in range(1, world_size + 1) if world_size % d == 0):
+        kw = {**how, "dp_replicate": world_size // n}
+        if bounds(layout, world_size, **kw)[0] > budget:
+            continue
+        worst = _worst(plan_memory(layout, world_size, **kw)).total
+        if worst <= budget:
+            return n, worst
+    return None
+
+
 def estimate_memory(
     layout: FlatLayout,
     *,
@@ -216,6 +254,8 @@ def estimate_memory(
     prefetch: int = 1,
     reshard_after_forward: bool = True,
     trainable: Trainable = EVERY_PARAMETER,
+    dp_replicate: int = 1,
+    gpus_per_node: int | None = None,
 ) -> MemoryEstimate:
     """Per-rank bytes for training ``layout`` at ``world_size`` in each of ``modes`` (the
     trainer's ``shard`` aliases, by default every mode of the registry), with fp32 master
@@ -225,6 +265,12 @@ def estimate_memory(
     ``units``, ``prefetch`` and ``reshard_after_forward`` are the fully sharded trainer's
     (``units=None``: those of ``units="auto"``, found from the slot names). What trains is
     the layout's ``requires_grad``; ``trainable`` only says how it was chosen (for the report).
+
+    ``dp_replicate``: hybrid sharding, ``init_mesh(dp_replicate=R)`` over ``world_size``
+    data-parallel ranks: the sharded modes planned at ``dp_shard = world_size // R`` (the
+    replicated mode is DDP over every rank). ``gpus_per_node``: ranks per node, for which
+    groups cross nodes. With ``device_memory``, each sharded mode also names the smallest
+    ``dp_shard`` that fits at ``world_size``.
 
     Example::
 
@@ -255,6 +301,14 @@ def estimate_memory(
         raise EstimateError(
             f"reshard_after_forward: expected True or False, got {reshard_after_forward!r}"
         )
+    r = dp_replicate
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1 or world_size % r:
+        raise EstimateError(
+            f"dp_replicate: expected a positive divisor of the world size {world_size}, got {r!r}"
+        )
+    g = gpus_per_node
+    if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+        raise EstimateError(f"gpus per node: expected a positive integer, got {g!r}")
     gathers = any(entry_for(m).gathers for m in modes)
     chosen = tuple(layout_units(layout) if units is None else units) if gathers else ()
     budget = None if device_memory is None else int(device_memory * (1.0 - reserve))
@@ -268,13 +322,33 @@ def estimate_memory(
             "prefetch": prefetch,
             "reshard_after_forward": reshard_after_forward,
         }
-        plan = plan_memory(layout, world_size, **how)
+        plan = plan_memory(layout, world_size, dp_replicate=dp_replicate, **how)
         worst, least = _worst(plan), min(r.total for r in plan)
         low = floor(layout, **how)
         fit = None if budget is None else _min_world_size(layout, low, budget, max_world_size, how)
-        spread = worst.total - least
+        hybrid = None
+        if budget is not None and entry_for(shard).memory.divided and low <= budget:
+            hybrid = _min_shard_size(layout, world_size, budget, how)
+        comm = plan_comm(
+            layout,
+            world_size,
+            shard=shard,
+            dp_replicate=dp_replicate,
+            units=chosen if entry_for(shard).gathers else None,
+            reshard_after_forward=reshard_after_forward,
+            gpus_per_node=gpus_per_node,
+        )
         out.append(
-            ModeEstimate(shard=shard, worst=worst, spread=spread, min_world_size=fit, floor=low)
+            ModeEstimate(
+                shard=shard,
+                worst=worst,
+                spread=worst.total - least,
+                min_world_size=fit,
+                floor=low,
+                min_shard_size=None if hybrid is None else hybrid[0],
+                min_shard_total=None if hybrid is None else hybrid[1],
+                comm=comm,
+            )
         )
     return MemoryEstimate(
         model=model,
@@ -295,6 +369,8 @@ def estimate_memory(
         reshard_after_forward=reshard_after_forward,
         trainable=trainable,
         dtype_bytes=_dtype_bytes(layout),
+        dp_replicate=dp_replicate,
+        gpus_per_node=gpus_per_node,
     )
 
 

@@ -6,6 +6,7 @@ import torch
 
 from .._flat.layout import dtype_name
 from .._parallel.memory import OPTIMIZER_STATES
+from .._parallel.traffic import CommPlan, node_spans
 from .estimate import DTYPES, MAX_WORLD_SIZE, NOT_COUNTED, MemoryEstimate, ModeEstimate
 
 __all__ = ["format_estimate"]
@@ -42,12 +43,51 @@ def _precision(r: MemoryEstimate) -> str:
 
 def _sizes(values: list[tuple[str, int]]) -> str:
     """``"bfloat16 12.53 GiB, float32 2.06 MiB"``: each size in its own unit."""
+    return ", ".join(f"{name} {_size(b)}" for name, b in values)
+
+
+def _size(b: int) -> str:
+    """``"12.53 GiB"``, ``"2.06 MiB"``, ``"12 bytes"``: in its own unit."""
     units = [("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
-    out = []
-    for name, b in values:
-        unit, scale = next(((u, s) for u, s in units if b >= s), ("bytes", 1))
-        out.append(f"{name} {b:,} bytes" if scale == 1 else f"{name} {b / scale:,.2f} {unit}")
-    return ", ".join(out)
+    unit, scale = next(((u, s) for u, s in units if b >= s), ("bytes", 1))
+    return f"{b:,} bytes" if scale == 1 else f"{b / scale:,.2f} {unit}"
+
+
+def _nodes(n: int | None) -> str:
+    """``", within a node"``, ``", 4 nodes"``, or nothing without a node size."""
+    return "" if n is None else ", within a node" if n == 1 else f", {n} nodes"
+
+
+def _hsdp_line(r: MemoryEstimate) -> str:
+    """The mesh: ``dp_replicate x dp_shard``, and where its groups lie."""
+    shard, across = f"{r.dp_shard} consecutive ranks", f"{r.dp_replicate} ranks"
+    if r.gpus_per_node is not None:
+        groups, replicas = node_spans(r.world_size, r.dp_shard, r.gpus_per_node)
+        shard += _nodes(groups)
+        across += _nodes(replicas)
+    return (
+        f"hsdp         dp_replicate {r.dp_replicate} x dp_shard {r.dp_shard} (shard groups: "
+        f"{shard}; replicate groups: {across})"
+    )
+
+
+def _comm_lines(name: str, c: CommPlan) -> list[str]:
+    """One mode's bytes per rank and step: inside its group, and across the replicas."""
+    group = "shard group" if c.dp_replicate > 1 else "data-parallel group"
+    moved = [f"{c.reduction} {_size(c.bytes_reduced)}"]
+    if c.bytes_gathered:  # in the order of a step: fully sharded, gathers come first
+        gathered = f"all-gather {_size(c.bytes_gathered)}"
+        moved = [gathered, *moved] if c.reduction == "reduce-scatter" else [*moved, gathered]
+    lines = [
+        f"  {name + ':':<11} {group} ({c.group_size} ranks{_nodes(c.group_nodes)}): "
+        f"{', '.join(moved)} (ring: {_size(c.group_sent)} sent)"
+    ]
+    if c.dp_replicate > 1:
+        lines.append(
+            f"  {'':<11} replicate group ({c.dp_replicate} ranks{_nodes(c.replica_nodes)}): "
+            f"all-reduce {_size(c.bytes_across_replicas)} (ring: {_size(c.replica_sent)} sent)"
+        )
+    return lines
 
 
 def _trainable_line(r: MemoryEstimate) -> str:
@@ -81,9 +121,10 @@ def _unit_lines(r: MemoryEstimate, short: str, name: str) -> list[str]:
         what = f"the running unit, {r.prefetch} prefetched, 2 unit gradients"
     else:
         what = "every unit from its forward to its backward, 2 unit gradients"
+    across = ", a stripe all-reduced across replicas" if r.dp_replicate > 1 else ""
     return [
         f"units        {name}: {', '.join(parts)}",
-        f"transient    {name}: {what}, the kept units and their gradients ({short})",
+        f"transient    {name}: {what}, the kept units and their gradients{across} ({short})",
     ]
 
 
@@ -115,6 +156,8 @@ def format_estimate(r: MemoryEstimate) -> str:
     lines.append(
         f"training     {_OPTIMIZER_NAMES[r.optimizer]} at world size {r.world_size}{_precision(r)}"
     )
+    if r.dp_replicate > 1:
+        lines.append(_hsdp_line(r))
     for name in gathering:
         lines.extend(_unit_lines(r, short, name))
     lines.append("")
@@ -143,6 +186,14 @@ def format_estimate(r: MemoryEstimate) -> str:
             )
         else:
             lines.append(f"{m.name}: every rank holds the same")
+    if r.dp_replicate > 1 or r.gpus_per_node is not None:
+        lines.append(
+            "per step     bytes per rank as trainer.stats counts them (each collective's buffer "
+            "at its full size)"
+        )
+        for m in r.modes:
+            if m.comm is not None:
+                lines.extend(_comm_lines(m.name, m.comm))
     if r.budget is not None and r.device_memory is not None:
         size = f"{r.device_memory / scale:,.2f} {unit} ({r.device_memory:,} bytes)"
         if r.reserve:
@@ -154,15 +205,39 @@ def format_estimate(r: MemoryEstimate) -> str:
 
 
 def _fit(r: MemoryEstimate, m: ModeEstimate, budget: int) -> str:
-    """Whether mode ``m`` fits ``budget`` now, and at which world size it first does."""
+    """Whether mode ``m`` fits ``budget`` now, and at which world size (or, at this world
+    size, which ``dp_shard``) it first does."""
     now = f"{'fits' if m.worst.total <= budget else 'does not fit'} at world size {r.world_size}"
     memory = m.entry.memory
     if not memory.divided:
         if m.min_world_size is not None:
             return f"{now}; fits at any world size (nothing is divided among ranks)"
         return f"{now}; no world size fits (nothing is divided among ranks)"
+    if r.dp_replicate > 1:
+        now = f"{now} (dp_shard {r.dp_shard}, dp_replicate {r.dp_replicate})"
+        return f"{now}; {_shard_fit(r, m)}"
     if m.min_world_size is not None:
-        return f"{now}; the smallest world size that fits is {m.min_world_size}"
+        hybrid = f"; {_shard_fit(r, m)}" if r.world_size > 1 else ""
+        return f"{now}; the smallest world size that fits is {m.min_world_size}{hybrid}"
     if m.floor > budget:
         return f"{now}; no world size fits: {memory.floor_note} {m.floor / 2**30:,.2f} GiB"
     return f"{now}; no world size up to {MAX_WORLD_SIZE:,} fits"
+
+
+def _shard_fit(r: MemoryEstimate, m: ModeEstimate) -> str:
+    """The smallest ``dp_shard`` that fits at the world size: its total, its replicas, and
+    how many nodes its shard groups span."""
+    n, total = m.min_shard_size, m.min_shard_total
+    if n is None or total is None:
+        memory = m.entry.memory
+        why = (
+            f": {memory.floor_note} {m.floor / 2**30:,.2f} GiB" if m.floor > (r.budget or 0) else ""
+        )
+        return f"no dp_shard fits at world size {r.world_size}{why}"
+    where = f"{total / 2**30:,.2f} GiB, dp_replicate {r.world_size // n}"
+    if r.gpus_per_node is not None:
+        groups, _ = node_spans(r.world_size, n, r.gpus_per_node)
+        where += (
+            "; shard groups within a node" if groups == 1 else f"; shard groups span {groups} nodes"
+        )
+    return f"the smallest dp_shard that fits at world size {r.world_size} is {n} ({where})"

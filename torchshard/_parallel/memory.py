@@ -1,12 +1,16 @@
 """Per-rank memory of a training run, computed from the layout alone (no process group).
 
 The faces :func:`plan_memory` and :func:`bounds` read the mode registry (``modes.py``);
-each mode's arithmetic is its memory model in ``footprint.py``.
+each mode's arithmetic is its memory model in ``footprint.py``. Hybrid sharding
+(``dp_replicate=R``) plans the sharded modes at the shard size ``world_size // R``
+(:func:`shard_size`), with the fully sharded mode's all-reduce stripe in flight on top
+(:func:`replica_stripe_bytes`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -21,16 +25,19 @@ from .footprint import (
     transient_of_sizes,
 )
 from .modes import Choice, ModeEntry, ModeError, choose, entry_for
-from .units import Unit, layout_units
+from .units import Unit, layout_units, unit_geometry
 
 __all__ = [
     "OPTIMIZER_STATES",
     "PlanError",
     "RankMemory",
+    "asked",
     "bounds",
     "floor",
     "padded_numel",
     "plan_memory",
+    "replica_stripe_bytes",
+    "shard_size",
     "transient_bytes",
     "transient_of_sizes",
 ]
@@ -46,6 +53,7 @@ def plan_memory(
     world_size: int,
     *,
     shard: bool | str | Choice,
+    dp_replicate: int = 1,
     optimizer: str = "adamw",
     master_dtype: torch.dtype = torch.float32,
     units: Sequence[Unit] | None = None,
@@ -56,10 +64,13 @@ def plan_memory(
 
     Args:
         layout: the flat layout (of a model built on meta: nothing is allocated).
-        world_size: the number of ranks.
+        world_size: the number of ranks (the data-parallel size: ``mesh.dp_size``).
         shard: as ``DistributedTrainer(shard=...)``: a mode choice (:class:`Replicate`,
             :class:`ShardOptimizer`, :class:`FullShard`) or its alias (``False``,
             ``True``, the fully sharded one).
+        dp_replicate: hybrid sharding, as ``init_mesh(dp_replicate=R)``: the sharded modes
+            cut their state over shard groups of ``S = world_size // R`` ranks (``R`` must
+            divide ``world_size``); see below. ``1``: today's plan, exactly.
         optimizer: a key of :data:`OPTIMIZER_STATES`.
         master_dtype: the trainer's ``master_dtype`` (with an alias; a choice holds its own).
         units: fully sharded: the units the trainer resolved; ``None``: those of
@@ -92,16 +103,36 @@ def plan_memory(
     elements not already in it only (fp32 norms in a bf16 model need none); padding counts
     in the dtype of the region it follows.
 
+    Hybrid sharding (``dp_replicate=R > 1``): one entry per data-parallel rank ``q``, each
+    rank holding what shard rank ``q % S`` holds in a plain run at world size ``S``: its
+    persistent bytes are exactly that plan's (replicas hold the same cut). Fully sharded,
+    ``transient`` gains one all-reduce stripe in flight across the replicas,
+    :func:`replica_stripe_bytes`: ``b * max_u P_u / S`` (``P_u`` a unit with trainable
+    parameters, kept ones included, padded to ``S`` times the alignment; ``b`` the model's
+    item size, as for the rest of ``transient``), an upper bound: the reduced stripe of one
+    unit is held while its all-reduce runs, one unit behind the reduce-scatters. The
+    replicated mode is DDP over all ``world_size`` ranks whatever the mesh: its plan does
+    not change with ``dp_replicate``.
+
     Example::
 
         with torch.device("meta"):
             fm = FlatParamModule(model, dtype=torch.bfloat16)
         plan = plan_memory(fm.layout, 64, shard=torchshard.FullShard())
         worst = max(plan, key=lambda r: r.total)
+        hybrid = plan_memory(fm.layout, 512, shard="full", dp_replicate=16)  # 16 x 32
     """
     how = (master_dtype, units, prefetch, reshard_after_forward)
-    entry, req = _asked(layout, world_size, shard, optimizer, *how)
-    return entry.memory.plan(layout, world_size, req)
+    entry, req = asked(layout, world_size, shard, optimizer, *how)
+    cut = shard_size(world_size, dp_replicate, shard)
+    plan = entry.memory.plan(layout, cut, req)
+    if cut == world_size:
+        return plan
+    extra = replica_stripe_bytes(layout, req.units, cut) if entry.gathers else 0
+    return [
+        replace(plan[q % cut], rank=q, transient=plan[q % cut].transient + extra)
+        for q in range(world_size)
+    ]
 
 
 def bounds(
@@ -109,6 +140,7 @@ def bounds(
     world_size: int,
     *,
     shard: bool | str | Choice,
+    dp_replicate: int = 1,
     optimizer: str = "adamw",
     master_dtype: torch.dtype = torch.float32,
     units: Sequence[Unit] | None = None,
@@ -124,6 +156,9 @@ def bounds(
     scalar for every parameter. The estimator brackets each world size with them and plans
     exactly only where the budget falls between.
 
+    With ``dp_replicate``, the bounds of the plan at the shard size, the all-reduce stripe
+    (fully sharded) added to both, as :func:`plan_memory` adds it.
+
     Example::
 
         low, high = bounds(layout, 8, shard=torchshard.ShardOptimizer())
@@ -131,8 +166,13 @@ def bounds(
             ...   # fits at 8 ranks without planning every rank
     """
     how = (master_dtype, units, prefetch, reshard_after_forward)
-    entry, req = _asked(layout, world_size, shard, optimizer, *how)
-    return entry.memory.bounds(layout, world_size, req)
+    entry, req = asked(layout, world_size, shard, optimizer, *how)
+    cut = shard_size(world_size, dp_replicate, shard)
+    low, high = entry.memory.bounds(layout, cut, req)
+    if cut == world_size or not entry.gathers:
+        return low, high
+    extra = replica_stripe_bytes(layout, req.units, cut)
+    return low + extra, high + extra
 
 
 def floor(
@@ -154,11 +194,51 @@ def floor(
             print("the unit buffers alone do not fit")
     """
     how = (master_dtype, units, prefetch, reshard_after_forward)
-    entry, req = _asked(layout, 1, shard, optimizer, *how)
-    return entry.memory.floor(layout, req)
+    entry, req = asked(layout, 1, shard, optimizer, *how)
+    return entry.memory.floor(layout, req)  # hybrid sharding only adds (a stripe in flight)
 
 
-def _asked(
+def shard_size(world_size: int, dp_replicate: int, shard: object) -> int:
+    """The ranks a mode cuts its state over at ``world_size`` data-parallel ranks with
+    ``dp_replicate`` replicas: ``world_size // dp_replicate`` for a sharded mode, the whole
+    ``world_size`` for the replicated one (DDP over the data-parallel group, whatever the
+    mesh). Raises :class:`PlanError` unless ``dp_replicate`` is a positive divisor of
+    ``world_size``.
+
+    Example::
+
+        shard_size(512, 16, True), shard_size(512, 16, False)   # (32, 512)
+    """
+    r = dp_replicate
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1 or world_size % r:
+        raise PlanError(
+            f"dp_replicate: expected a positive divisor of world_size {world_size} (the "
+            f"replicas of init_mesh(dp_replicate=...)), got {r!r}"
+        )
+    try:
+        divided = entry_for(shard).memory.divided
+    except ModeError as e:
+        raise PlanError(str(e)) from e
+    return world_size // r if divided else world_size
+
+
+def replica_stripe_bytes(layout: FlatLayout, units: Sequence[Unit], shards: int) -> int:
+    """Fully sharded hybrid sharding: the most one reduced stripe held for its all-reduce
+    across the replicas takes, ``b * max_u P_u / S``: the largest unit with trainable
+    parameters (kept ones included), padded to ``S = shards`` stripes of a multiple of
+    the alignment, one stripe of it, in the model's item size ``b`` (a mixed layout's
+    positions are bytes).
+
+    Example::
+
+        replica_stripe_bytes(layout, layout_units(layout), 32)
+    """
+    trains = [u for u in units if any(s.requires_grad for s in layout.slots[u.lo : u.hi])]
+    stripes = (unit_geometry(u, shards, layout.align).per_rank for u in trains)
+    return max(stripes, default=0) * layout.torch_dtype.itemsize
+
+
+def asked(
     layout: FlatLayout,
     world_size: int,
     shard: object,
