@@ -1,9 +1,9 @@
-"""Hybrid sharding with ``shard=True`` (issue 23) at 4 ranks on gloo: a 2 x 2 mesh of
-``init_mesh(dp_replicate=2)`` against oracles.
+"""Hybrid sharding (issue 23), ``shard=True`` and ``shard="full"``, at 4 ranks on gloo: a
+2 x 2 mesh of ``init_mesh(dp_replicate=2)`` against oracles.
 
-- The exact reduction tree, computed in one process: each bucket is reduced inside the shard
-  group ({0, 1}, {2, 3}) and the owners' sums are all-reduced across replicas ({0, 2},
-  {1, 3}). A sum of two is the same bits in either order (IEEE addition is commutative),
+- The exact reduction tree, computed in one process: each bucket (each unit) is reduced
+  inside the shard group ({0, 1}, {2, 3}) and the owners' sums are all-reduced across
+  replicas ({0, 2}, {1, 3}). A sum of two is the same bits in either order (IEEE addition is commutative),
   so gloo's 2-rank reduce and all-reduce give exactly ``((g0 + g1) + (g2 + g3)) / 4``:
   the weights must equal an AdamW stepped on that mean, bitwise, every step.
 - Replicas bitwise in sync every step (weights on all 4 ranks, and the optimizer state of
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 from multiprocess import run_distributed
@@ -27,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torchshard
 from torchshard import DistributedTrainer, FlatParamModule, MeshError
+from torchshard._parallel.full.mode import FullyShard
 from torchshard.checkpoint import CheckpointError
 
 ADAMW = dict(lr=1e-2, eps=1e-6, weight_decay=0.1)
@@ -64,14 +66,17 @@ def _slice_state(trainer: DistributedTrainer) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0)
 
 
-def _hsdp_vs_oracles() -> dict:
+def _hsdp_vs_oracles(shard: object, frozen: bool = False, native: bool = False) -> dict:
     rank = dist.get_rank()
     mesh = torchshard.init_mesh(dp_replicate=2)
+    FullyShard.native_gloo = native  # gloo's reduce-scatter, not a reduce per owner
     torch.manual_seed(0)
     ref = Heads()
+    for name, p in ref.named_parameters():  # the first block and the positions, frozen
+        p.requires_grad_(not (frozen and (name.startswith("blocks.0.") or "wpe" in name)))
     oracle = copy.deepcopy(ref)
     fm = FlatParamModule(copy.deepcopy(ref), align_bytes=4)
-    trainer = DistributedTrainer(fm, mesh=mesh, shard=True, bucket_mb=0.004)
+    trainer = DistributedTrainer(fm, mesh=mesh, shard=shard, bucket_mb=0.004)
     trainer.make_optimizer(torch.optim.AdamW, **ADAMW)
     oracle_opt = torch.optim.AdamW(oracle.parameters(), **ADAMW)
     ddp = DDP(ref, find_unused_parameters=True)
@@ -92,25 +97,43 @@ def _hsdp_vs_oracles() -> dict:
         ddp(*batch(rank, step), **_flags(rank, step))[1].backward()
         ddp_opt.step()
         out["norms"].append((norm.item(), oracle_norm.item()))
-        for (name, p), q in zip(fm.module.named_parameters(), oracle.parameters()):
-            if not torch.equal(p, q):
-                out["differ"].append(f"step {step}: {name}")
+        with trainer.gathered():
+            for (name, p), q in zip(fm.module.named_parameters(), oracle.parameters()):
+                if not torch.equal(p, q):
+                    out["differ"].append(f"step {step}: {name}")
         trainer.assert_in_sync()  # all 4 ranks' weights, bitwise
         # the two owners of this slice (one per replica) hold the same optimizer state
         state = _slice_state(trainer)
         pair = [torch.empty_like(state) for _ in range(2)]
         dist.all_gather(pair, state, group=mesh.dp_replicate)
         out.setdefault("state_in_sync", []).append(torch.equal(pair[0], pair[1]))
-    out["ddp_rel"] = max(
-        ((p - q).norm() / q.norm()).item() for p, q in zip(fm.module.parameters(), ref.parameters())
-    )
+    with trainer.gathered():
+        out["ddp_rel"] = max(
+            ((p - q).norm() / q.norm()).item()
+            for p, q in zip(fm.module.parameters(), ref.parameters())
+        )
     out["bytes_across_replicas"] = trainer.stats.bytes_across_replicas
+    # what this rank owns of the gradient: its slice (shard=True), its stripes (full)
+    out["owned"] = sum(
+        g.numel() * g.element_size() for g in trainer._mode.local_grads(trainer._ctx)
+    )
     trainer.close()
     return out
 
 
-def test_hsdp_2x2_is_the_tree_in_sync_and_near_ddp():
-    results = run_distributed(_hsdp_vs_oracles, 4, timeout=120)
+VARIANTS = {  # shard, frozen parameters, gloo's native reduce-scatter
+    "sharded": (True, False, False),
+    "sharded-frozen": (True, True, False),
+    "full": ("full", False, False),
+    "full-native": ("full", False, True),
+    "full-frozen": ("full", True, False),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_hsdp_2x2_is_the_tree_in_sync_and_near_ddp(variant):
+    shard, frozen, native = VARIANTS[variant]
+    results = run_distributed(_hsdp_vs_oracles, 4, shard, frozen, native, timeout=120)
     for r, got in enumerate(results):
         assert (got["rank"], got["world"], got["replicas"]) == (r, 4, 2)
         assert got["differ"] == [], f"rank {r}: not the tree's weights: {got['differ'][:5]}"
@@ -120,8 +143,11 @@ def test_hsdp_2x2_is_the_tree_in_sync_and_near_ddp():
         assert got["norms"] == results[0]["norms"]
         for norm, oracle_norm in got["norms"]:
             assert abs(norm - oracle_norm) <= 1e-5 * oracle_norm
-        # each owner all-reduces its slice (half the padded buffer), fp32, once a step
-        assert got["bytes_across_replicas"] == STEPS * got["padded"] // 2 * 4
+        # each owner all-reduces what it owns, fp32, once a step: for shard=True its slice,
+        # half the padded buffer
+        assert got["bytes_across_replicas"] == STEPS * got["owned"]
+        if shard is True and not frozen:
+            assert got["owned"] == got["padded"] // 2 * 4
 
 
 def _trainer(mesh: object, shard: object, **kw: object) -> DistributedTrainer:
@@ -150,13 +176,16 @@ def _same_shards(a: object, b: object) -> bool:
 
 def _one_replica_is_today() -> dict:
     out = {}
-    for shard, mesh in ((True, torchshard.init_mesh()), (False, torchshard.init_mesh(2))):
+    cases = ((True, torchshard.init_mesh()), ("full", torchshard.init_mesh()))
+    for shard, mesh in (*cases, (False, torchshard.init_mesh(2))):
         got, today = _trainer(mesh, shard), _trainer(None, shard)
         _train(got)
         _train(today)
-        assert got.module.flat_param is not None and today.module.flat_param is not None
+        with got.gathered(), today.gathered():
+            pairs = zip(got.module.parameters(), today.module.parameters())
+            equal = all(torch.equal(p, q) for p, q in pairs)
         out[shard] = {
-            "equal": torch.equal(got.module.flat_param, today.module.flat_param),
+            "equal": equal,
             "stats": (got.stats, today.stats),
             "shards": _same_shards(got.local_shards(), today.local_shards()),
         }
@@ -167,7 +196,7 @@ def _one_replica_is_today() -> dict:
 
 def test_one_replica_is_todays_path_bitwise():
     for got in run_distributed(_one_replica_is_today, 4, timeout=120):
-        for shard in (True, False):  # shard=False over a 2 x 2 mesh: DDP over mesh.dp
+        for shard in (True, "full", False):  # shard=False over a 2 x 2 mesh: DDP over mesh.dp
             assert got[shard]["equal"], shard
             assert got[shard]["shards"], shard
             mine, today = got[shard]["stats"]
@@ -176,14 +205,14 @@ def test_one_replica_is_todays_path_bitwise():
             assert mine.bytes_across_replicas == today.bytes_across_replicas == 0
 
 
-def _bf16() -> dict:
+def _bf16(shard: object) -> dict:
     out = {}
     for reduce_dtype in (None, torch.float32):
         mesh = torchshard.init_mesh(dp_replicate=2)
         torch.manual_seed(0)
         fm = FlatParamModule(Model(), align_bytes=4, dtype=torch.bfloat16)
         trainer = DistributedTrainer(
-            fm, mesh=mesh, shard=True, bucket_mb=0.004, reduce_dtype=reduce_dtype
+            fm, mesh=mesh, shard=shard, bucket_mb=0.004, reduce_dtype=reduce_dtype
         )
         trainer.make_optimizer(torch.optim.AdamW, **ADAMW)
         for step in range(2):
@@ -191,17 +220,19 @@ def _bf16() -> dict:
             fm(*batch(dist.get_rank(), step))[1].backward()
             trainer.step()
             trainer.assert_in_sync()
-        out[str(reduce_dtype)] = (trainer.stats.bytes_across_replicas, trainer.padded_numel)
+        owned = sum(g.numel() for g in trainer._mode.local_grads(trainer._ctx))  # fp32 master's
+        out[str(reduce_dtype)] = (trainer.stats.bytes_across_replicas, owned)
         trainer.close()
     return out
 
 
-def test_bf16_master_and_reduce_dtype_stay_in_sync():
-    for got in run_distributed(_bf16, 4, timeout=120):
-        sent, padded = got["None"]
-        assert sent == 2 * padded // 2 * 2  # bf16 on the wire
-        sent, padded = got["torch.float32"]
-        assert sent == 2 * padded // 2 * 4  # reduced in fp32, into the fp32 master
+@pytest.mark.parametrize("shard", [True, "full"])
+def test_bf16_master_and_reduce_dtype_stay_in_sync(shard):
+    for got in run_distributed(_bf16, 4, shard, timeout=120):
+        sent, owned = got["None"]
+        assert sent == 2 * owned * 2  # bf16 on the wire
+        sent, owned = got["torch.float32"]
+        assert sent == 2 * owned * 4  # reduced in fp32, into the fp32 master
 
 
 def _errors(tmp: str) -> list[str]:
@@ -210,7 +241,6 @@ def _errors(tmp: str) -> list[str]:
     fm = FlatParamModule(Model(), align_bytes=4)
     for kw in (
         dict(mesh=mesh, process_group=dist.group.WORLD, shard=True),
-        dict(mesh=mesh, shard="full"),
         dict(mesh=torchshard.init_mesh(tp=2), shard=True),
         dict(mesh="2x2", shard=True),
     ):
@@ -229,21 +259,20 @@ def _errors(tmp: str) -> list[str]:
 
 def test_bad_meshes_and_checkpoints_raise_clearly(tmp_path):
     for seen in run_distributed(_errors, 4, str(tmp_path), timeout=120):
-        assert len(seen) == 5, seen
+        assert len(seen) == 4, seen
         assert "pass mesh= or process_group=, not both" in seen[0]
-        assert "dp_replicate=2 with shard='full' is not implemented yet" in seen[1]
-        assert "tp=2 is not implemented by DistributedTrainer yet" in seen[2]
-        assert "mesh: expected a torchshard Mesh" in seen[3]
-        assert "hybrid sharding (a mesh with dp_replicate=2) has no checkpoint support" in seen[4]
+        assert "tp=2 is not implemented by DistributedTrainer yet" in seen[1]
+        assert "mesh: expected a torchshard Mesh" in seen[2]
+        assert "hybrid sharding (a mesh with dp_replicate=2) has no checkpoint support" in seen[3]
 
 
-def _hsdp_2x4_vs_ddp() -> dict:
+def _hsdp_vs_ddp(replicate: int, shard: object) -> dict:
     rank = dist.get_rank()
-    mesh = torchshard.init_mesh(dp_replicate=2)
+    mesh = torchshard.init_mesh(dp_replicate=replicate)
     torch.manual_seed(0)
     ref = Heads()
     fm = FlatParamModule(copy.deepcopy(ref), align_bytes=4)
-    trainer = DistributedTrainer(fm, mesh=mesh, shard=True, bucket_mb=0.004)
+    trainer = DistributedTrainer(fm, mesh=mesh, shard=shard, bucket_mb=0.004)
     trainer.make_optimizer(torch.optim.AdamW, **ADAMW)
     ddp = DDP(ref, find_unused_parameters=True)
     ddp_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
@@ -255,21 +284,63 @@ def _hsdp_2x4_vs_ddp() -> dict:
         ddp(*batch(rank, step), **_flags(rank, step))[1].backward()
         ddp_opt.step()
         trainer.assert_in_sync()
-    rel = max(
-        ((p - q).norm() / q.norm()).item() for p, q in zip(fm.module.parameters(), ref.parameters())
-    )
+    with trainer.gathered():
+        pairs = zip(fm.module.parameters(), ref.parameters())
+        rel = max(((p - q).norm() / q.norm()).item() for p, q in pairs)
     out = {
         "shape": mesh.shape,
         "rel": rel,
         "sent": trainer.stats.bytes_across_replicas,
+        "owned": sum(g.numel() for g in trainer._mode.local_grads(trainer._ctx)),
         "padded": trainer.padded_numel,
     }
     trainer.close()
     return out
 
 
-def test_hsdp_2x4_in_sync_and_near_ddp():
-    for got in run_distributed(_hsdp_2x4_vs_ddp, 8, timeout=180):
+@pytest.mark.parametrize("shard", [True, "full"])
+def test_hsdp_4x1_replicates_every_shard(shard):
+    """Shard groups of one rank: every rank holds everything, reduced across 4 replicas."""
+    for got in run_distributed(_hsdp_vs_ddp, 4, 4, shard, timeout=120):
+        assert got["shape"] == (4, 1, 1)
+        assert got["rel"] <= 1e-5, got["rel"]
+        assert got["sent"] == 3 * got["owned"] * 4
+        if shard is True:
+            assert got["owned"] == got["padded"]
+
+
+@pytest.mark.parametrize("shard", [True, "full"])
+def test_hsdp_2x4_in_sync_and_near_ddp(shard):
+    for got in run_distributed(_hsdp_vs_ddp, 8, 2, shard, timeout=180):
         assert got["shape"] == (2, 4, 1)
         assert got["rel"] <= 1e-5, got["rel"]
-        assert got["sent"] == 3 * got["padded"] // 4 * 4  # a quarter of the buffer, fp32
+        assert got["sent"] == 3 * got["owned"] * 4  # what it owns, fp32, each step
+        if shard is True:
+            assert got["owned"] == got["padded"] // 4  # a quarter of the buffer
+
+
+def _shard_group_traffic(shard: object) -> dict:
+    """A 2 x 2 trainer beside a plain one over this rank's shard group (2 ranks): the same
+    bytes inside the shard group, step for step."""
+    mesh = torchshard.init_mesh(dp_replicate=2)
+    hybrid, plain = _trainer(mesh, shard), _trainer(None, shard, process_group=mesh.dp_shard)
+    _train(hybrid)
+    _train(plain)
+    got = {
+        name: (getattr(hybrid.stats, name), getattr(plain.stats, name))
+        for name in ("bytes_reduced", "bytes_gathered", "steps", "buckets")
+    }
+    got["across"] = hybrid.stats.bytes_across_replicas
+    got["owned"] = sum(g.numel() * g.element_size() for g in hybrid._mode.local_grads(hybrid._ctx))
+    hybrid.close()
+    plain.close()
+    return got
+
+
+@pytest.mark.parametrize("shard", [True, "full"])
+def test_shard_group_traffic_is_the_plain_mode_at_the_shard_size(shard):
+    for got in run_distributed(_shard_group_traffic, 4, shard, timeout=120):
+        for name in ("bytes_reduced", "bytes_gathered", "steps", "buckets"):
+            mine, plain = got[name]
+            assert mine == plain and (name == "buckets" or mine > 0), (name, got)
+        assert got["across"] == 3 * got["owned"]  # what this rank owns, once a step

@@ -106,7 +106,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
     "_parallel.state": {"_dist", "_flat.module", "_parallel.mode", "_parallel.shards"},
     "_parallel.units": {"_errors", "_flat.geometry", "_flat.layout"},
     # the fully sharded mode, one way: collectives -> storage -> grads / init -> schedule -> mode
-    "_parallel.full.collectives": {"_parallel.reducer"},
+    "_parallel.full.collectives": {"_parallel.comm", "_parallel.reducer"},
     "_parallel.full.storage": {"_flat.layout", "_parallel.full.collectives", "_parallel.units"},
     "_parallel.full.grads": {
         "_errors",
@@ -127,6 +127,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_flat.geometry",
         "_flat.module",
         "_parallel.buckets",
+        "_parallel.comm",
         "_parallel.full.collectives",
         "_parallel.full.grads",
         "_parallel.full.init",

@@ -303,7 +303,8 @@ def split_dp(
         return group, None, None
     if not hybrid:
         raise MeshError(
-            f"mesh: dp_replicate={replicas} with shard={shard!r} is not implemented yet (hybrid "
-            "sharding is, with shard=True); use shard=True, or a mesh with dp_replicate=1"
+            f"mesh: dp_replicate={replicas} with shard={shard!r}: this mode cannot cut its state "
+            "over a shard group (hybrid sharding is shard=True or shard='full'); use one of "
+            "those, or a mesh with dp_replicate=1"
         )
     return group, Mesh1D.of(mesh.dp_shard), Mesh1D.of(mesh.dp_replicate)

@@ -119,10 +119,10 @@ class Mode:
     native average, scale each bucket by ``1/world_size`` as it launches (DDP's order: the
     bucket is warm, the pass overlaps backward, none is left after)."""
     comm_type: type[BucketComm] = AllReduce
+    """How a bucket travels (built over the mesh by :meth:`make_comm`)."""
     hybrid: bool = False
     """A sharded mode that can cut over a mesh's shard group and all-reduce the reduced cut
     across its replicas (``Context.shards``, ``Context.replicas``)."""
-    """How a bucket travels (built over the mesh by :meth:`make_comm`)."""
     _fresh: bool = True  # prepare(): the module was not bound yet, the gradient gets mask room
     # (and is not bytes)
     _grad_store: torch.Tensor | None = None  # adopt(): [mask room | flat gradient], if any
@@ -146,16 +146,16 @@ class Mode:
         group: dist.ProcessGroup | None,
         src: int,
         init_fn: Callable[[torch.nn.Module], None] | None,
-        shard_size: int | None = None,
+        cut: Mesh1D | None = None,
     ) -> tuple[torch.nn.Parameter, ...]:
         """Bind ``fm`` to one flat buffer and one flat gradient on ``device`` (initializing a
         meta-built model), weights broadcast from ``src`` over ``group``; the parameters by
-        slot. ``shard_size``: the ranks the buffer is cut over (hybrid sharding: a shard
-        group's; ``None``: the group's)."""
+        slot. ``cut``: the ranks the buffer is cut over (hybrid sharding: a shard group;
+        ``None``: ``group``)."""
         mesh = Mesh1D.of(group)
-        cut = mesh.size if shard_size is None else shard_size
-        n = self.flat_numel(fm.layout, cut)
-        grad_n = Geometry.of(fm.layout.grad_layout, cut, pad=self.pads).total
+        size = (cut or mesh).size
+        n = self.flat_numel(fm.layout, size)
+        grad_n = Geometry.of(fm.layout.grad_layout, size, pad=self.pads).total
         fuse = self._fresh and mesh.size > 1 and self.comm_type.fuses_mask
         room = mask_room(fm.layout) if fuse else 0
         self._grad_store = bind_buffers(fm, n, device, init_fn, room, grad_n)

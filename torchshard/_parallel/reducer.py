@@ -151,6 +151,13 @@ class BucketReducer:
         used = [ctx.params[i].grad is not None for i in ctx.trainable]
         everywhere = all(used)  # then the global mask is all ones: nothing to read back
         if ctx.world_size > 1:
+            t0 = time.perf_counter()
+            if self._flush is not None:
+                # The second stage first: its collectives precede the mask's on every rank,
+                # even where a replicate group is the data-parallel group (shard groups of 1).
+                for fut in self.futures:
+                    fut.wait()
+                self.stats.bytes_across_replicas += self._flush()
             # Which parameters have a gradient anywhere: in a bucket already, or in one
             # small all-reduce, always issued last so the order is the same on every rank.
             if self._sent:
@@ -161,11 +168,8 @@ class BucketReducer:
                 fill_mask(mask, used)
                 work = dist.all_reduce(mask, group=ctx.group, async_op=True)
                 self.futures.append(settled(work, mask))
-            t0 = time.perf_counter()
             for fut in self.futures:
                 fut.wait()  # on NCCL: the current stream waits, the host does not
-            if self._flush is not None:  # the second stage, in order (peers reach it too)
-                self.stats.bytes_across_replicas += self._flush()
             self.stats.wait_seconds += time.perf_counter() - t0
             if not everywhere:
                 used = [bool(n) for n in mask.tolist()]

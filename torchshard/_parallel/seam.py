@@ -144,7 +144,7 @@ class Storage(Protocol):
         group: dist.ProcessGroup | None,
         src: int,
         init_fn: Callable[[torch.nn.Module], None] | None,
-        shard_size: int | None = None,
+        cut: Mesh1D | None = None,
     ) -> tuple[torch.nn.Parameter, ...]: ...
 
     def gathered(self) -> contextlib.AbstractContextManager[None]: ...

@@ -63,9 +63,9 @@ class DistributedTrainer:
             environment if needed (see :func:`init_distributed`).
         mesh: a :class:`Mesh` from :func:`init_mesh` instead of ``process_group``
             (not both): the trainer runs over its data-parallel group ``mesh.dp``; with
-            ``dp_replicate > 1`` and ``shard=True``, hybrid sharding: slices cut over the
-            shard group, each reduced slice all-reduced across the replicas (the mean, the
-            used-parameter mask and the norm over ``mesh.dp``). ``rank`` and
+            ``dp_replicate > 1`` and ``shard=True`` or ``"full"``, hybrid sharding: state
+            cut over the shard group, each reduced slice or stripe all-reduced across the
+            replicas (the mean, the used-parameter mask and the norm over ``mesh.dp``). ``rank`` and
             ``world_size`` are the data-parallel rank and size.
         bucket_mb: bucket size in MiB; fractions allowed.
         src: the rank whose weights everyone starts from.
@@ -152,8 +152,8 @@ class DistributedTrainer:
         self.mesh = mesh  # the Mesh given (None: process_group=)
         self.device = pick_device(fm, device, self._group)
         layout = fm.layout
-        cut = (self._cut or self._mesh).size  # the ranks the buffer is cut over
-        self._geometry = Geometry.of(layout, cut, pad=self._mode.pads)
+        cut = self._cut or self._mesh  # the ranks the buffer is cut over
+        self._geometry = Geometry.of(layout, cut.size, pad=self._mode.pads)
         self.padded_numel = self._geometry.total
         self._closed = False
         track(self)  # closed at interpreter exit if nobody closes it before
@@ -162,7 +162,7 @@ class DistributedTrainer:
         # anything is allocated), bind (initializing meta weights), broadcast from src.
         self._mode.prepare(fm)
         token = check_same_model(fm, self._mode, self._group, self.device, src)
-        self._params = self._mode.adopt(fm, self.device, self._group, src, init_fn, cut)
+        self._params = self._mode.adopt(fm, self.device, self._group, src, init_fn, self._cut)
         self._flat = fm.flat_param
         with fm.meta_buffers.preserved():  # src's zeros are no value: still unwritten
             self._broadcast_buffers(src)

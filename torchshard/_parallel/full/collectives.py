@@ -14,6 +14,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from ..comm import Mesh1D
 from ..reducer import CommStats
 
 __all__ = ["OrderLog", "UnitComm", "gather_unit", "reduce_scatter_unit"]
@@ -85,10 +86,11 @@ def reduce_scatter_unit(
 
 class OrderLog:
     """A running digest of the collectives issued on each communicator: gathers (``"g"``),
-    reduce-scatters (``"r"``) and the trainer's group (``"m"``)."""
+    reduce-scatters (``"r"``), the trainer's group (``"m"``) and, under hybrid sharding,
+    the all-reduces across replicas (``"a"``)."""
 
     def __init__(self) -> None:
-        self.digests = {k: hashlib.sha256() for k in "grm"}
+        self.digests = {k: hashlib.sha256() for k in "grma"}
 
     def log(self, kind: str, unit: int) -> None:
         self.digests[kind].update(f"{unit};".encode())
@@ -104,10 +106,13 @@ class UnitComm:
     trainer's group for the rest.
 
     Args:
-        group: the trainer's process group (``None``: the default group).
+        group: the ranks the units are cut over (``None``: the default group): the
+            trainer's group, or under hybrid sharding this rank's shard group.
         device: where the units live (CUDA always gathers and reduces natively).
         native: on gloo, use its all-gather and reduce-scatter instead of a broadcast and a
             reduce per owner (``benchmarks/bench_full.py`` measures both).
+        dp: hybrid sharding: the data-parallel group, over which :meth:`broadcast` sends the
+            source's weights to every replica (``None``: ``group``).
 
     Example::
 
@@ -116,9 +121,15 @@ class UnitComm:
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None, device: torch.device, *, native: bool = False
+        self,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        *,
+        native: bool = False,
+        dp: Mesh1D | None = None,
     ) -> None:
         self.group, self.device = group, device
+        self.source = dp or Mesh1D.of(group)  # where the starting weights come from
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.native = device.type == "cuda" or native
         self.global_ranks = [
@@ -155,9 +166,21 @@ class UnitComm:
         return (self.reduce_group, self.gather_group) if self.destroy_groups else ()
 
     def broadcast(self, buf: torch.Tensor, src: int) -> None:
-        """``buf`` as rank ``src`` of the trainer's group holds it, on every rank."""
-        if self.world > 1:
-            dist.broadcast(buf, self.global_ranks[src], group=self.group)
+        """``buf`` as rank ``src`` of the trainer's group holds it, on every rank (and every
+        replica)."""
+        source = self.source
+        if source.size > 1:
+            dist.broadcast(buf, source.global_rank(src), group=source.group)
+
+    def all_reduce(
+        self, unit: int, stripes: list[torch.Tensor], op: dist.ReduceOp, replicas: Mesh1D
+    ) -> list[dist.Work]:
+        """Start all-reducing unit ``unit``'s reduced stripe (its typed parts, one
+        collective each) across ``replicas`` (hybrid sharding: the ranks holding the same
+        stripes in the other replicas); the handles."""
+        self.order.log("a", unit)
+        self.stats.bytes_across_replicas += sum(t.numel() * t.element_size() for t in stripes)
+        return [dist.all_reduce(t, op=op, group=replicas.group, async_op=True) for t in stripes]
 
     def gather(self, unit: int, buf: torch.Tensor, n: int) -> list[dist.Work]:
         """Start gathering unit ``unit`` into ``buf`` (this rank's stripe in place)."""

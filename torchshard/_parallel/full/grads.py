@@ -1,6 +1,11 @@
 """The fully sharded mode's gradients: each parameter's gradient into its unit's gradient,
 each unit's gradient reduce-scattered into this rank's stripes in a fixed order.
 
+Hybrid sharding (``ctx.replicas``): the stripes are cut over a shard group; once a unit's
+reduce-scatter is done, its reduced stripe is all-reduced across the replicas (issued in
+the same unit order on every rank, from the thread that runs backward) and added into the
+stripes' gradient one unit behind, or at :meth:`UnitGradReducer.finish`.
+
 :class:`UnitGradReducer` is the trainer's gradient sync for this mode (``sync``,
 ``averaged``, ``stats``, ``finish()``, ``close()``, as the bucket reducer): the schedule
 tells it when a unit's backward is done, and :meth:`finish` makes the stripes' gradients the
@@ -72,6 +77,10 @@ class UnitGradReducer:
         self.inflight: list[
             tuple[int, list[dist.Work], torch.Tensor | list[torch.Tensor], torch.Tensor]
         ] = []
+        self.replicas = ctx.replicas if ctx.replicas is not None and ctx.replicas.size > 1 else None
+        self.across: list[tuple[int, list[dist.Work], torch.Tensor | list[torch.Tensor], int]] = []
+        """Hybrid sharding: the all-reduces across replicas in flight, in unit order
+        ``(unit, handles, reduced parts, bytes of them held apart from the pool)``."""
         self.pieces: list[tuple[int, int, int, nn.Parameter]] = []
         """The optimizer's tensors ``(slot, start, end, piece)``, given their gradients."""
         self.on_gradient: Callable[[], None] = lambda: None
@@ -222,10 +231,14 @@ class UnitGradReducer:
                     mine.append(wire)
         return mine, self.comm.reduce_to_owners(u, pieces, spec.op)
 
-    def _add_parts(self, u: int, out: list[torch.Tensor]) -> None:
-        """This rank's reduced parts of unit ``u`` into the stripes' gradient."""
-        for (*_, at), wire in zip(self.storage.mine[u], out):
-            self.stripe_grads[at : at + wire.numel()].add_(wire)
+    def _add(self, u: int, out: torch.Tensor | list[torch.Tensor]) -> None:
+        """This rank's reduced stripe of unit ``u`` (or its parts) into the stripes' gradient."""
+        if isinstance(out, list):
+            for (*_, at), wire in zip(self.storage.mine[u], out):
+                self.stripe_grads[at : at + wire.numel()].add_(wire)
+        else:
+            a = self.storage.stripe_offsets[u]
+            self.stripe_grads[a : a + self.storage.geometries[u].per_rank].add_(out)
 
     def _complete(self) -> None:
         u, works, out, grad = self.inflight.pop(0)
@@ -233,19 +246,47 @@ class UnitGradReducer:
         for w in works:
             w.wait()
         self.stats.wait_seconds += time.perf_counter() - t0
-        if isinstance(out, list):
-            self._add_parts(u, out)
+        if self.replicas is not None:
+            self._across(u, out, grad)
         else:
-            a = self.storage.stripe_offsets[u]
-            self.stripe_grads[a : a + self.storage.geometries[u].per_rank].add_(out)
+            self._add(u, out)
         if grad._base is not None:  # a pooled buffer: back to the pool
             self.pool.append(grad._base)
         else:
             self.storage.account(-grad.numel() * grad.element_size())
 
+    def _across(self, u: int, out: torch.Tensor | list[torch.Tensor], grad: torch.Tensor) -> None:
+        """Start all-reducing unit ``u``'s reduced stripe across the replicas; a part that
+        lies in the unit's gradient (gloo's reduce per owner) is copied out first, so the
+        gradient goes back to the pool now. One all-reduce waits in flight at most."""
+        parts, held = out if isinstance(out, list) else [out], 0
+        store = grad.untyped_storage().data_ptr()
+        for k, t in enumerate(parts):
+            if t.untyped_storage().data_ptr() == store:
+                parts[k] = t.clone()
+                held += t.numel() * t.element_size()
+        self.storage.account(held)
+        assert self.replicas is not None
+        works = self.comm.all_reduce(u, parts, self.ctx.spec.op, self.replicas)
+        self.across.append((u, works, parts if isinstance(out, list) else parts[0], held))
+        while len(self.across) > 1:
+            self._land()
+
+    def _land(self) -> None:
+        """The oldest all-reduce across replicas done: its stripe into the stripes' gradient."""
+        u, works, out, held = self.across.pop(0)
+        t0 = time.perf_counter()
+        for w in works:
+            w.wait()
+        self.stats.wait_seconds += time.perf_counter() - t0
+        self._add(u, out)
+        self.storage.account(-held)
+
     def _drain(self) -> None:
         while self.inflight:
             self._complete()
+        while self.across:
+            self._land()
 
     # -- the trainer's gradient-sync protocol ---------------------------------------------------
     @torch.no_grad()
@@ -254,7 +295,7 @@ class UnitGradReducer:
         ctx = self.ctx
         self._drain()
         used = [self.used[i] for i in ctx.trainable]
-        if self.world > 1:
+        if ctx.world_size > 1:  # the data-parallel group: every replica alike
             everywhere = fill_mask(self.mask, used)
             dist.all_reduce(self.mask, group=ctx.group)
             self.comm.order.log("m", 0)

@@ -36,6 +36,7 @@ from torch import nn
 from ..._errors import TorchShardError
 from ..._flat.module import FlatParamModule
 from ..buckets import Bucket
+from ..comm import Mesh1D
 from ..mode import Context, Mode, Segment
 from ..setup import check_master_dtype
 from ..shards import LocalShards
@@ -62,6 +63,7 @@ class FullyShard(Mode):
     sharded = True
     whole_weights = False
     reduces_by = "unit"
+    hybrid = True  # stripes over a shard group, each reduced stripe all-reduced across replicas
     native_gloo: bool = False
     """On gloo, gather and reduce with gloo's all-gather and reduce-scatter instead of a
     broadcast and a reduce per owner (:class:`~.collectives.UnitComm`'s ``native``; NCCL
@@ -104,15 +106,19 @@ class FullyShard(Mode):
         group: dist.ProcessGroup | None,
         src: int,
         init_fn: Callable[[nn.Module], None] | None,
-        shard_size: int | None = None,
+        cut: Mesh1D | None = None,
     ) -> tuple[nn.Parameter, ...]:
-        """Shard ``fm`` over the group: unit buffers (freed), parameters as their views, this
-        rank's stripes filled from ``fm``'s weights (bound, real, or initialized from meta one
-        unit at a time) as ``src`` holds them. Returns the parameters by slot. Not hybrid:
-        always cut over the whole group (``shard_size`` is its size)."""
+        """Shard ``fm`` over the group (hybrid sharding: over ``cut``, a shard group): unit
+        buffers (freed), parameters as their views, this rank's stripes filled from ``fm``'s
+        weights (bound, real, or initialized from meta one unit at a time) as ``src`` of
+        ``group`` holds them. Returns the parameters by slot."""
         if not self.units:
             self.prepare(fm)
-        self.comm = UnitComm(group, device, native=self.native_gloo)
+        if cut is None:
+            self.comm = UnitComm(group, device, native=self.native_gloo)
+        else:  # stripes over the shard group; the starting weights from src, in every replica
+            dp = Mesh1D.of(group)
+            self.comm = UnitComm(cut.group, device, native=self.native_gloo, dp=dp)
         layout = fm.layout
         self.storage = UnitBuffers(self.units, layout, fm.dtype, self.master_dtype, self.comm)
         self.params = adopt_units(fm, self.storage, src, init_fn)
