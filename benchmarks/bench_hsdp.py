@@ -3,6 +3,11 @@ FSDP2's HSDP, and the cross-node bytes it saves at scale, computed.
 
     python benchmarks/bench_hsdp.py [--steps 30] [--warmup 3]
                                     [--out benchmarks/results/hsdp.json]
+    # part 3, on two network namespaces joined by a 1 Gbit/s link (root; not in run_all.py)
+    T=../shared/tools/two-nodes.sh; $T up 1gbit
+    R="torchrun --nnodes 2 --nproc-per-node 2 --master-addr 10.77.0.1 --master-port 29500"
+    $T run 0 $R --node-rank 0 benchmarks/bench_hsdp.py --nodes --steps 10 &
+    $T run 1 $R --node-rank 1 benchmarks/bench_hsdp.py --nodes --steps 10; wait; $T down
 
 1. **Step time, 4 ranks.** One launch of 4 fresh processes (gloo, ``torch.set_num_threads(1)``
    each) on the project's 2 cores; the example's "small" GPT (byte vocabulary), its corpus and
@@ -45,6 +50,14 @@ FSDP2's HSDP, and the cross-node bytes it saves at scale, computed.
    ``world``: fewer latency terms, and the shard groups' collectives run on the links inside
    a node.
 
+3. **Across two nodes, measured** (``--nodes``, by hand): the four torchshard configurations
+   under torchrun, 2 ranks on each of two "nodes" (``two-nodes.sh``: network namespaces
+   joined by a shaped link; inside a node, loopback), on a GPT whose step the link bounds
+   (8 layers, width 512: 25.4M parameters; 1 x 64 tokens per rank). The same mesh: the shard
+   groups {0, 1} and {2, 3} are the nodes, so hybrid sharding sends only the replicas'
+   all-reduce across the link, and the plain modes every gather and reduction. Rank 0 prints
+   the same tables and writes ``hsdp-nodes.json`` (``--out``).
+
 Also recorded: each torchshard trainer's ``stats`` per step (bytes reduced, gathered and
 all-reduced across replicas, whole buffers) and every step's loss (the configurations train
 the same model on the same data; hybrid sharding reduces in another order, so its losses
@@ -82,6 +95,9 @@ from gpt import GPT, GPTConfig  # noqa: E402
 from train_gpt import batch_generator, get_batch, load_corpus  # noqa: E402
 
 WORLD, REPLICAS, BATCH, BLOCK, PRESET = 4, 2, 8, 128, "small"
+# --nodes: a model whose step the network bounds (25.4M parameters, 102 MB of fp32), few tokens
+NODES_MODEL = dict(vocab_size=256, block_size=128, n_layer=8, n_head=8, n_embd=512)
+NODES_BATCH, NODES_BLOCK = 1, 64
 CONFIGS = (
     "ts_shard",
     "hsdp_shard",
@@ -119,10 +135,10 @@ now = time.perf_counter
 class Config:
     """One configuration of :data:`CONFIGS` on this rank: its model, optimizer and trainer."""
 
-    def __init__(self, name: str, mesh: torchshard.Mesh, fsdp_meshes: dict) -> None:
+    def __init__(self, name: str, mesh: torchshard.Mesh, fsdp_meshes: dict, cfg: GPTConfig) -> None:
         self.name, self.trainer = name, None
         torch.manual_seed(0)  # the same weights for every configuration
-        model = GPT(GPTConfig.preset(PRESET))
+        model = GPT(cfg)
         if name.startswith("fsdp2"):
             if fully_shard is None:
                 raise ImportError("fully_shard: neither torch.distributed.fsdp nor _composable")
@@ -168,19 +184,21 @@ class Config:
         return t1 - t0, c1 - c0, loss.item(), moved
 
 
-def build(mesh: torchshard.Mesh, fsdp_meshes: dict) -> tuple[dict, dict, dict]:
-    """Every configuration that builds on every rank; those that are not available (a
-    ``MeshError``: hybrid sharding not implemented for that mode yet) and those that failed,
-    with the reason."""
+def build(
+    names: list[str], mesh: torchshard.Mesh, fsdp_meshes: dict, cfg: GPTConfig
+) -> tuple[dict, dict, dict]:
+    """Every configuration of ``names`` that builds on every rank; those that are not
+    available (a ``MeshError``: hybrid sharding not implemented for that mode yet) and those
+    that failed, with the reason."""
     configs, unavailable, errors = {}, {}, {}
-    for name in CONFIGS:
+    for name in names:
         try:
-            configs[name] = Config(name, mesh, fsdp_meshes)
+            configs[name] = Config(name, mesh, fsdp_meshes, cfg)
         except MeshError as e:
             unavailable[name] = str(e)
         except Exception as e:  # reported instead of numbers
             errors[name] = f"{type(e).__name__}: {e}".strip() + "\n" + traceback.format_exc()
-    everyone: list = [None] * WORLD
+    everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, sorted([*unavailable, *errors]))
     for name in sorted({n for failed in everyone for n in failed}):  # built everywhere, or not
         configs.pop(name, None)
@@ -190,23 +208,29 @@ def build(mesh: torchshard.Mesh, fsdp_meshes: dict) -> tuple[dict, dict, dict]:
 
 
 def run(opts: argparse.Namespace) -> dict:
-    """Every configuration on this rank, interleaved step by step: times, losses, bytes."""
+    """Every configuration on this rank, interleaved step by step: times, losses, bytes.
+    ``opts.nodes``: torchshard's only, on the communication-bound model."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     mesh = torchshard.init_mesh(dp_replicate=REPLICAS)
-    fsdp_meshes = {
-        "full": init_device_mesh("cpu", (WORLD,)),
-        "hsdp": init_device_mesh(
-            "cpu", (REPLICAS, WORLD // REPLICAS), mesh_dim_names=("replicate", "shard")
-        ),
-    }
+    if opts.nodes:
+        names, fsdp_meshes = list(TORCHSHARD), {}
+        cfg, batch, block = GPTConfig(**NODES_MODEL), NODES_BATCH, NODES_BLOCK
+    else:
+        names, cfg, batch, block = list(CONFIGS), GPTConfig.preset(PRESET), BATCH, BLOCK
+        fsdp_meshes = {
+            "full": init_device_mesh("cpu", (world,)),
+            "hsdp": init_device_mesh(
+                "cpu", (REPLICAS, world // REPLICAS), mesh_dim_names=("replicate", "shard")
+            ),
+        }
     train, _ = load_corpus()
     batches = [
-        get_batch(train, BATCH, BLOCK, batch_generator(0, rank, i, 0), "cpu")
+        get_batch(train, batch, block, batch_generator(0, rank, i, 0), "cpu")
         for i in range(opts.warmup + opts.steps)
     ]
-    configs, unavailable, errors = build(mesh, fsdp_meshes)
+    configs, unavailable, errors = build(names, mesh, fsdp_meshes, cfg)
     names = list(configs)
     out: dict = {k: {n: [] for n in names} for k in ("wall", "cpu", "losses", "comm")}
     for i, (x, y) in enumerate(batches):
@@ -223,6 +247,8 @@ def run(opts: argparse.Namespace) -> dict:
         if c.trainer is not None:
             c.trainer.close()
     out.update(mesh_shape=list(mesh.shape), unavailable=unavailable, errors=errors)
+    n_params = next(c.trainer.module.layout.param_numel for c in configs.values() if c.trainer)
+    out.update(n_params=n_params, model=dict(cfg.__dict__), batch=batch, block=block)
     return out
 
 
@@ -323,23 +349,16 @@ def print_cross_node(rows: list[dict]) -> None:
     print(format_table(headers, table, title))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=30, help="timed steps per configuration")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=600, help="seconds for the whole run")
-    p.add_argument("--comm-timeout", type=float, default=120, help="gloo collective timeout (s)")
-    p.add_argument("--out", default="benchmarks/results/hsdp.json")
-    opts = p.parse_args()
-    t_start, machine, code = now(), machine_info(), hashes("hsdp")
-    ranks = run_ranks(run, WORLD, opts, timeout_s=opts.timeout, comm_timeout_s=opts.comm_timeout)
-    unavailable, errors = ranks[0]["unavailable"], {}
+def report(ranks: list[dict], opts: argparse.Namespace, t_start: float, machine: dict,
+           code: dict) -> None:  # fmt: skip
+    """Print the tables and write the JSON, from every rank's :func:`run`."""
+    first = ranks[0]
+    unavailable, errors = first["unavailable"], {}
     for r in ranks:
         errors.update(r["errors"])
-    names = [n for n in CONFIGS if n in ranks[0]["wall"]]
-
+    names = [n for n in CONFIGS if n in first["wall"]]
     rows = []
-    for name in CONFIGS:
+    for name in [n for n in CONFIGS if n in names or n in unavailable or n in errors]:
         if name in unavailable:
             rows.append((name, "not available: " + unavailable[name].split(";")[0], "-"))
         elif name in errors:
@@ -347,13 +366,25 @@ def main() -> None:
         else:
             rows.append((name, *(spread_text([1e3 * v for v in per_step(ranks, k, name)], 1, "")
                                  for k in ("wall", "cpu"))))  # fmt: skip
-    title = (
-        f"\n{WORLD} ranks ({REPLICAS} replicas x {WORLD // REPLICAS} shards for hsdp_* and "
-        f"fsdp2_hsdp*), gloo, 1 thread/rank, {PRESET} GPT, {BATCH}x{BLOCK} tokens/rank, AdamW; "
-        f"{opts.steps} steps (+{opts.warmup}) of each, interleaved; per step the max over ranks, "
-        "median (p10-p90)\nONE machine: this measures hybrid sharding's overhead, not its "
-        "network gain (every collective runs over the same loopback and cores)"
+    world, (nr, ns, _) = len(ranks), first["mesh_shape"]
+    where = (
+        f"{world} ranks under torchrun ({os.environ.get('LOCAL_WORLD_SIZE', '?')} per node), "
+        "the launcher's network between nodes"
+        if opts.nodes
+        else f"{world} ranks on one machine"
     )
+    fsdp2 = "" if opts.nodes else " and fsdp2_hsdp*"
+    title = (
+        f"\n{where} ({nr} replicas x {ns} shards for hsdp_*{fsdp2}), gloo, 1 thread/"
+        f"rank, GPT of {first['n_params'] / 1e6:.1f}M parameters, {first['batch']}x"
+        f"{first['block']} tokens/rank, AdamW; {opts.steps} steps (+{opts.warmup}) of each, "
+        "interleaved; per step the max over ranks, median (p10-p90)"
+    )
+    if not opts.nodes:
+        title += (
+            "\nONE machine: this measures hybrid sharding's overhead, not its network gain "
+            "(every collective runs over the same loopback and cores)"
+        )
     print(format_table(["step time (ms)", "wall", "CPU"], rows, title))
     paired = {
         f"{a}.step / {b}.step": {
@@ -366,7 +397,7 @@ def main() -> None:
     rows = [(k, spread_text(v["wall"]), spread_text(v["cpu"])) for k, v in paired.items()]
     print(format_table(["paired step ratio", "wall", "CPU"], rows, "\nmedian (p10-p90) over steps"))
     checks = {}
-    for key, kind, target in CHECKS:
+    for key, kind, target in () if opts.nodes else CHECKS:  # one machine's targets
         v = verdict(paired[key][kind], target) if key in paired else "not available"
         checks[key] = {"kind": kind, "target": target, "verdict": v}
         print(f"{key} ({kind}, <= {target}): {v}")
@@ -389,15 +420,46 @@ def main() -> None:
     load, total = os.getloadavg(), now() - t_start
     print(f"\ntotal {total:.0f} s; 1-min load {machine['loadavg'][0]:.1f} at start, "
           f"{load[0]:.1f} at end ({os.cpu_count()} CPUs)")  # fmt: skip
-    results = {"benchmark": "hsdp", "machine": machine, "measured": code, "args": vars(opts)}
-    results.update(threads_per_rank=1, world_size=WORLD, mesh_shape=ranks[0]["mesh_shape"])
-    results.update(replicas=ranks[0]["replicas"], preset=PRESET, batch=BATCH, block=BLOCK)
+    results = {"benchmark": "hsdp-nodes" if opts.nodes else "hsdp", "machine": machine}
+    results.update(measured=code, args=vars(opts), threads_per_rank=1, world_size=world)
+    results.update(mesh_shape=first["mesh_shape"], replicas=first["replicas"])
+    results.update({k: first[k] for k in ("n_params", "model", "batch", "block")})
     results.update(adamw=ADAMW, unavailable=unavailable, errors=errors, paired=paired)
     results.update(checks=checks, comm_bytes=comm, loss_diff_vs_ts_shard=diffs)
     results["cross_node"] = {"node": NODE, "wire_bytes": WIRE_BYTES, "passes": PASSES,
                              "rows": table}  # fmt: skip
     results.update(loadavg_end=list(load), total_s=total, samples_by_rank=ranks)
     print(f"wrote {write_json(opts.out, results)}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=30, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=600, help="seconds for the whole run")
+    p.add_argument("--comm-timeout", type=float, default=120, help="gloo collective timeout (s)")
+    p.add_argument(
+        "--nodes",
+        action="store_true",
+        help="run under torchrun over its ranks (4, on two nodes: see part 3), torchshard's\n"
+        "configurations only, on a model the network bounds; rank 0 reports",
+    )
+    p.add_argument("--out", help="default: benchmarks/results/hsdp.json (--nodes: hsdp-nodes.json)")
+    opts = p.parse_args()
+    opts.out = opts.out or ("hsdp-nodes.json" if opts.nodes else "benchmarks/results/hsdp.json")
+    t_start, machine, code = now(), machine_info(), hashes("hsdp")
+    if not opts.nodes:
+        ranks = run_ranks(
+            run, WORLD, opts, timeout_s=opts.timeout, comm_timeout_s=opts.comm_timeout
+        )
+        report(ranks, opts, t_start, machine, code)
+        return
+    torchshard.init_distributed()
+    torch.set_num_threads(1)
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, run(opts))
+    if dist.get_rank() == 0:
+        report(ranks, opts, t_start, machine, code)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":
