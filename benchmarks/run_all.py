@@ -4,10 +4,10 @@
     python benchmarks/run_all.py --quick    # tiny counts into a scratch folder: a smoke test
     python benchmarks/run_all.py --results DIR [--allow-dirty]
 
-Runs bench_flat.py, bench_trainer.py, bench_sharded.py, bench_full.py, bench_checkpoint.py,
-scale.py, bench_lora.py and bench_mixed.py one after the other (each in its own interpreter, with the step and round counts below, chosen
-so that the whole run fits in 15 minutes on the project's 2-core machine when nothing else
-runs there), writes ``run.json`` (this command, each script's wall time, the machine and
+Runs bench_flat.py, bench_trainer.py, bench_sharded.py, bench_full.py, bench_hsdp.py,
+bench_checkpoint.py, scale.py, bench_lora.py and bench_mixed.py one after the other (each in
+its own interpreter, with the step and round counts below, chosen so that the whole run fits
+in 15 minutes on the project's 2-core machine when nothing else runs there), writes ``run.json`` (this command, each script's wall time, the machine and
 commit), then ``python benchmarks/summary.py --write README.md benchmarks/README.md`` and
 checks the results against the code (``summary.py --stale``: each script records the SHA-256
 of every file it measures). Prints its wall time.
@@ -55,6 +55,7 @@ SCRIPTS = {
         "--mem-pairs 2 --mem-steps 2 --reps 20 --warmup 2",
         "--mem-pairs 1 --mem-steps 1 --reps 2 --warmup 1",
     ),
+    "hsdp": ("bench_hsdp.py", "--steps 30 --warmup 3", "--steps 3 --warmup 1"),
     "checkpoint": (
         "bench_checkpoint.py",
         "--size-gb 1.0 --steps 10 --repeats 4 --train-repeats 4 --resume-repeats 4",

@@ -8,9 +8,9 @@
     python benchmarks/summary.py --results DIR ...                      # read DIR/*.json instead
 
 Reads flat.json (bench_flat.py), trainer.json (bench_trainer.py), sharded.json
-(bench_sharded.py), full.json (bench_full.py), checkpoint.json (bench_checkpoint.py),
-scale.json (scale.py), lora.json (bench_lora.py), mixed.json (bench_mixed.py) and run.json
-(run_all.py: the command, its wall time) and prints one
+(bench_sharded.py), full.json (bench_full.py), hsdp.json (bench_hsdp.py), checkpoint.json
+(bench_checkpoint.py), scale.json (scale.py), lora.json (bench_lora.py), mixed.json
+(bench_mixed.py) and run.json (run_all.py: the command, its wall time) and prints one
 markdown table row per headline number (``rows/<benchmark>.py``): what kind of number it is
 (measured, paired, counted, computed), the result, its target and whether the target is met
 (``report/stats.py``: the median of the paired ratios, their spread, and "met" only when at

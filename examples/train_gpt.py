@@ -36,6 +36,11 @@ continues the epoch exactly (docs/data.md).
     # weights gathered for its forward and backward only
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --shard full --bf16
 
+    # hybrid sharding: --shard inside groups of 2 ranks, 2 replicas of each group (across
+    # nodes, say); no checkpoints of a hybrid trainer yet, hence --ckpt-dir ''
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --shard --dp-replicate 2 \
+        --ckpt-dir ''
+
     # two machines (the same command on each; HOST0 is one of them)
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \
         --rdzv-endpoint HOST0:29500 --rdzv-id my-run examples/train_gpt.py
@@ -91,14 +96,20 @@ class HelpFormatter(argparse.RawTextHelpFormatter):
         return text
 
 
+@contextlib.contextmanager
+def rank0_speaks():
+    """Under a launcher, the other ranks' stdout and stderr go nowhere inside the block."""
+    with contextlib.ExitStack() as stack:
+        if int(os.environ.get("RANK", "0")) != 0:
+            stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+            stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
+        yield
+
+
 def parse_quietly(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """``parser.parse_args(argv)``; under a launcher only rank 0 prints a usage error (or
     --help), the other ranks exit as quietly with the same status."""
-    quiet = int(os.environ.get("RANK", "0")) != 0
-    with contextlib.ExitStack() as stack:
-        if quiet:
-            stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
-            stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
+    with rank0_speaks():
         return parser.parse_args(argv)
 
 
@@ -191,6 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
         "fully sharded (ZeRO-3), the weights too, one transformer block gathered\n"
         "at a time (default: neither, the state is replicated)",
     )
+    p.add_argument(
+        "--dp-replicate",
+        type=int,
+        default=1,
+        metavar="R",
+        help="hybrid sharding (with --shard): shard inside groups of world/R ranks and keep\n"
+        "R replicas of them (torchshard.init_mesh(dp_replicate=R)); 1: shard over\n"
+        "every rank",
+    )
     p.add_argument("--bf16", action="store_true", help="bf16 weights (with --shard: fp32 master)")
     p.add_argument(
         "--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)"
@@ -199,7 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return parse_quietly(build_parser(), argv)
+    parser = build_parser()
+    args = parse_quietly(parser, argv)
+    problem = None
+    if args.dp_replicate < 1:
+        problem = f"expected a number of replicas >= 1, got {args.dp_replicate}"
+    elif args.dp_replicate > 1 and args.shard is None:
+        problem = "replicas of sharded state need --shard (or --shard full)"
+    elif args.dp_replicate > 1 and args.ckpt_dir:  # until hybrid checkpoints land (issue 23)
+        problem = "no checkpoints of a hybrid-sharded trainer yet; pass --ckpt-dir ''"
+    if problem:
+        with rank0_speaks():
+            parser.error(f"argument --dp-replicate: {problem}")
+    return args
 
 
 def load_corpus() -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,14 +257,25 @@ class TextBlocks(Dataset):
 
 
 def make_loader(
-    data: torch.Tensor, block: int, global_batch: int, seed: int, workers: int, device
+    data: torch.Tensor,
+    block: int,
+    global_batch: int,
+    seed: int,
+    workers: int,
+    device,
+    rank: int | None = None,
+    world_size: int | None = None,
 ) -> tuple[torchshard.GlobalBatchSampler, DataLoader]:
     """This rank's part of each global batch of ``global_batch`` sequences, in an order that
-    is the same at any world size. Exits with the reason if the world size does not divide
+    is the same at any world size. ``rank``, ``world_size``: this rank's place among the
+    data-parallel ranks (a trainer's ``rank`` and ``world_size``; by default the default
+    process group's). Exits with the reason if the world size does not divide
     ``global_batch``."""
     dataset = TextBlocks(data, block)
     try:
-        sampler = torchshard.GlobalBatchSampler(len(dataset), global_batch, seed=seed)
+        sampler = torchshard.GlobalBatchSampler(
+            len(dataset), global_batch, seed=seed, rank=rank, world_size=world_size
+        )
     except torchshard.DataError as e:
         dist.barrier()  # every rank fails alike; none leaves while a peer still connects
         raise SystemExit(f"--batch-size {global_batch} (the global batch): {e}") from e
@@ -244,6 +287,19 @@ def make_loader(
         pin_memory=torch.device(device).type == "cuda",
     )
     return sampler, loader
+
+
+def make_mesh(replicas: int) -> torchshard.Mesh | None:
+    """``--dp-replicate``: the mesh of ``replicas`` replicas of shard groups (``None`` for 1:
+    the trainer shards over every rank). Exits with the reason where it does not fit the
+    world size (every rank alike)."""
+    if replicas == 1:
+        return None
+    try:
+        return torchshard.init_mesh(dp_replicate=replicas)
+    except torchshard.MeshError as e:
+        dist.barrier()  # every rank fails alike; none leaves while a peer still connects
+        raise SystemExit(f"--dp-replicate {replicas}: {e}") from e
 
 
 def load_data_state(sampler: torchshard.GlobalBatchSampler, extra: dict, reset: bool) -> None:
@@ -483,9 +539,6 @@ def main(argv: list[str] | None = None) -> float:
         sys.exit(2)
 
     train, val = load_corpus()
-    sampler, loader = make_loader(
-        train, args.block_size, args.batch_size, args.seed, args.num_workers, info.device
-    )
     overrides = {k: v for k, v in dict(n_layer=args.n_layer, n_embd=args.n_embd).items() if v}
     base = GPTConfig.preset(args.preset)
     # bytes are the tokens: vocab_size 256 whatever the preset says
@@ -500,12 +553,29 @@ def main(argv: list[str] | None = None) -> float:
     fm = torchshard.FlatParamModule(model, dtype=torch.bfloat16 if args.bf16 else None)
     if args.bucket_mb is None:
         args.bucket_mb = 25.0 if info.device.type == "cuda" else 1.0
-    trainer = torchshard.DistributedTrainer(
-        fm,
-        device=info.device,
-        bucket_mb=args.bucket_mb,
-        init_fn=init_gpt_weights,
-        shard={None: False, "optimizer": True, "full": "full"}[args.shard],
+    mesh = make_mesh(args.dp_replicate)
+    try:
+        trainer = torchshard.DistributedTrainer(
+            fm,
+            device=info.device,
+            mesh=mesh,
+            bucket_mb=args.bucket_mb,
+            init_fn=init_gpt_weights,
+            shard={None: False, "optimizer": True, "full": "full"}[args.shard],
+        )
+    except torchshard.MeshError as e:  # a mode without hybrid sharding: every rank alike
+        dist.barrier()
+        raise SystemExit(f"--dp-replicate {args.dp_replicate}: {e}") from e
+    # the data-parallel ranks' parts of each global batch (under hybrid sharding: every rank)
+    sampler, loader = make_loader(
+        train,
+        args.block_size,
+        args.batch_size,
+        args.seed,
+        args.num_workers,
+        info.device,
+        rank=trainer.rank,
+        world_size=trainer.world_size,
     )
 
     # No weight decay for biases, LayerNorms and position embeddings; the same groups in
@@ -531,7 +601,8 @@ def main(argv: list[str] | None = None) -> float:
         "world %d on %s, %s: %.2fM parameters, corpus %d bytes, %d %s",
         info.world_size,
         info.device,
-        {None: "replicated", "optimizer": "sharded", "full": "fully sharded"}[args.shard],
+        {None: "replicated", "optimizer": "sharded", "full": "fully sharded"}[args.shard]
+        + (f" (hybrid: {args.dp_replicate} replicas x {mesh.shape[1]} shards)" if mesh else ""),
         fm.layout.param_numel / 1e6,
         len(train) + len(val),
         trainer.stats.buckets,

@@ -28,6 +28,7 @@ def load_summary() -> ModuleType:
 
 
 summary = load_summary()  # puts benchmarks/ on sys.path: report/ and rows/ import from there
+import bench_hsdp  # noqa: E402
 from report import freshness, stats  # noqa: E402
 
 RUN_ALL = "python benchmarks/run_all.py"
@@ -236,6 +237,66 @@ def test_the_bytes_row_is_met_only_within_one_percent_of_the_analytic() -> None:
     assert summary.measured(what, {"sharded": {}}) == (summary.NOT_MEASURED, "-")  # older file
 
 
+# -- the hybrid sharding rows ----------------------------------------------------------------------
+
+
+def hsdp_results(full: list[float] | None) -> dict:
+    """An hsdp.json whose hybrid ``shard="full"`` paired ratios are ``full``, or that records
+    it as not available (``None``); every other ratio 1.0."""
+    keys = [f"{a}.step / {b}.step" for a, b in bench_hsdp.PAIRS]
+    paired = {k: {"wall": [1.0] * 10, "cpu": [1.0] * 10} for k in keys}
+    unavailable = {}
+    if full is None:
+        unavailable["hsdp_full"] = "mesh: dp_replicate=2 with shard='full' is not implemented"
+        paired = {k: v for k, v in paired.items() if not k.startswith("hsdp_full")}
+    else:
+        for k in keys:
+            if k.startswith("hsdp_full"):
+                paired[k] = {"wall": full, "cpu": full}
+    cross = {"node": 8, "rows": bench_hsdp.cross_node_table()}
+    return {
+        "hsdp": {"paired": paired, "unavailable": unavailable, "errors": {}, "cross_node": cross}
+    }
+
+
+def test_the_hybrid_rows_judge_full_only_where_it_ran() -> None:
+    overhead, vs_fsdp2 = row("hybrid sharding 2 x 2"), row("hybrid sharding step vs FSDP2")
+    cell, verdict_cell = summary.measured(overhead, hsdp_results(None))
+    assert '`shard="full"`: not available when measured' in cell and verdict_cell == "-"
+    assert cell.startswith("`shard=True`: wall 1.00x")
+    assert summary.measured(vs_fsdp2, hsdp_results(None))[1] == "-"
+    ran = hsdp_results([1.1] * 8 + [1.2] * 2)
+    assert summary.measured(overhead, ran)[1] == '`shard="full"`: met (8 of 10 <= 1.15)'
+    assert summary.measured(vs_fsdp2, ran)[1] == "missed (0 of 10 <= 1)"
+
+
+def test_cross_node_bytes_equal_a_hop_by_hop_ring() -> None:
+    """The computed table's per-rank bytes against a ring walked hop by hop: every chunk of
+    a ring pass over ranks placed node by node, counting the hops between two nodes."""
+
+    def crossing(ranks: list[int], nbytes: float, node: int) -> float:
+        n = len(ranks)
+        hops = sum(
+            ranks[(i + h) % n] // node != ranks[(i + h + 1) % n] // node
+            for i in range(n)
+            for h in range(n - 1)
+        )
+        return hops * nbytes / n  # a chunk is 1/n of the buffer
+
+    node, params, b = 8, 10**9, bench_hsdp.WIRE_BYTES
+    for world in (16, 64):
+        c = bench_hsdp.cross_node(world, params, "full", node)
+        plain = 3 * crossing(list(range(world)), params * b, node) / world
+        assert c["plain"] == pytest.approx(plain, rel=1e-12)
+        # one replicate group (rank s of every node), its all-reduce: two passes of 1/node
+        group = list(range(0, world, node))
+        hybrid = 2 * crossing(group, params * b / node, node) / len(group)
+        assert c["hybrid"] == pytest.approx(hybrid, rel=1e-12)
+    assert bench_hsdp.cross_node(512, params, "sharded")["hybrid"] == pytest.approx(
+        bench_hsdp.cross_node(512, params, "full")["hybrid"]
+    )
+
+
 # -- freshness by content, on a scratch tree (no git: as in a tarball) --------------------------------
 
 
@@ -289,10 +350,11 @@ def test_the_fully_sharded_mode_is_measured_only_where_it_runs(tree: Path) -> No
     results = measured_in(tree)
     assert "torchshard/_parallel/full.py" not in results["trainer"]["measured"]
     write(tree, "torchshard/_parallel/full.py", "v2\n")
-    assert stale_names(freshness.stale(results, tree)) == {"sharded", "full", "lora", "mixed"}
+    full_mode = {"sharded", "full", "hsdp", "lora", "mixed"}
+    assert stale_names(freshness.stale(results, tree)) == full_mode
     write(tree, "torchshard/_parallel/x.py", "v2\n")  # the trainer core: every mode
     problems = freshness.stale(results, tree)
-    want = {"trainer", "sharded", "full", "checkpoint", "lora", "mixed"}
+    want = {"trainer", "sharded", "full", "hsdp", "checkpoint", "lora", "mixed"}
     assert stale_names(problems) == want, problems
 
 
@@ -302,7 +364,7 @@ def test_a_module_that_becomes_a_package_is_still_measured(tree: Path) -> None:
     write(tree, "torchshard/_parallel/full/__init__.py", "v1\n")
     write(tree, "torchshard/_parallel/full/storage.py", "v1\n")
     problems = freshness.stale(results, tree)
-    assert stale_names(problems) == {"sharded", "full", "lora", "mixed"}, problems
+    assert stale_names(problems) == {"sharded", "full", "hsdp", "lora", "mixed"}, problems
     sharded = next(p for p in problems if p.startswith("sharded.json"))
     assert "torchshard/_parallel/full.py (gone)" in sharded
     assert "torchshard/_parallel/full/storage.py (new)" in sharded

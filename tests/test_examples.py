@@ -270,6 +270,48 @@ def test_train_gpt_errors_once_and_a_new_batch_size_resumes_with_reset_data_posi
     assert 'train_gpt.py", line' not in text, text
 
 
+def logged_losses(text: str) -> dict[int, float]:
+    return {
+        int(m.group(1)): float(m.group(2))
+        for m in re.finditer(r"^step +(\d+) +loss (\S+)", text, re.M)
+    }
+
+
+@pytest.mark.slow
+def test_train_gpt_hybrid_sharding_trains_as_sharding_over_every_rank():
+    """--dp-replicate 2 at 4 ranks: 2 replicas of 2 shards (shard=True); the same losses as
+    --shard over the 4 ranks, up to the reduction order (the last bits; printed to 4 places)."""
+    gpt = [*GPT, "--steps", "20", "--log-every", "10", "--ckpt-dir", "", "--shard"]
+    four = ("--standalone", "--nproc-per-node", "4")
+    hybrid = run(torchrun(*four, TRAIN_GPT, *gpt, "--dp-replicate", "2"))
+    assert "world 4 on cpu, sharded (hybrid: 2 replicas x 2 shards)" in hybrid, hybrid
+    plain = run(torchrun(*four, TRAIN_GPT, *gpt))
+    assert "hybrid" not in plain, plain
+    ours, theirs = logged_losses(hybrid), logged_losses(plain)
+    assert list(ours) == [10, 20] and ours[20] < ours[10], hybrid
+    assert ours == pytest.approx(theirs, abs=2e-4), (ours, theirs)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--shard", "--dp-replicate", "2"], "pass --ckpt-dir ''"),  # no hybrid checkpoints yet
+        (["--dp-replicate", "2", "--ckpt-dir", ""], "need --shard"),
+        (["--shard", "--dp-replicate", "0", "--ckpt-dir", ""], "replicas >= 1, got 0"),
+    ],
+)
+def test_train_gpt_refuses_a_dp_replicate_it_cannot_run(args, says, capsys):
+    train_gpt = __import__("train_gpt")
+    with pytest.raises(SystemExit) as e:
+        train_gpt.parse_args(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --dp-replicate:" in err and says in err, err
+    assert (
+        train_gpt.parse_args(["--shard", "--dp-replicate", "2", "--ckpt-dir", ""]).dp_replicate == 2
+    )
+
+
 def test_plot_metrics_draws_the_loss_curve(tmp_path):
     pytest.importorskip("matplotlib")
     import plot_metrics

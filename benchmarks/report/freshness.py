@@ -42,6 +42,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "trainer": ("benchmarks/bench_trainer.py", *_BUCKET_MODES, "examples/train_gpt.py", *_COMMON),
     "sharded": ("benchmarks/bench_sharded.py", *_ALL_MODES, "examples/train_gpt.py", *_COMMON),
     "full": ("benchmarks/bench_full.py", *_ALL_MODES, *_COMMON),
+    "hsdp": ("benchmarks/bench_hsdp.py", *_ALL_MODES, "examples/train_gpt.py", *_COMMON),
     "checkpoint": (
         "benchmarks/bench_checkpoint.py",
         "torchshard/checkpoint",

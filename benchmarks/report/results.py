@@ -1,9 +1,9 @@
 """Where the benchmark results live and how they are read. Stdlib only.
 
 flat.json (bench_flat.py), trainer.json (bench_trainer.py), sharded.json (bench_sharded.py),
-full.json (bench_full.py), checkpoint.json (bench_checkpoint.py), scale.json (scale.py),
-lora.json (bench_lora.py), mixed.json (bench_mixed.py) and run.json (run_all.py: the
-command, its wall time).
+full.json (bench_full.py), hsdp.json (bench_hsdp.py), checkpoint.json (bench_checkpoint.py),
+scale.json (scale.py), lora.json (bench_lora.py), mixed.json (bench_mixed.py) and run.json
+(run_all.py: the command, its wall time).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent.parent
 RESULTS = REPO / "benchmarks" / "results"
-FILES = ("flat", "trainer", "sharded", "full", "checkpoint", "scale", "lora", "mixed")
+FILES = ("flat", "trainer", "sharded", "full", "hsdp", "checkpoint", "scale", "lora", "mixed")
 RUN = "run"  # run.json: written by run_all.py
 COMMAND = "python benchmarks/run_all.py"
 

@@ -6,13 +6,14 @@ A new benchmark adds its module here and its rows to :data:`ROWS`, in table orde
 
 from __future__ import annotations
 
-from . import checkpoint, flat, full, lora, mixed, scale, sharded, trainer
+from . import checkpoint, flat, full, hsdp, lora, mixed, scale, sharded, trainer
 
 ROWS = (
     *flat.ROWS,
     *trainer.ROWS,
     *sharded.ROWS,
     *full.ROWS,
+    *hsdp.ROWS,
     *checkpoint.ROWS,
     *lora.ROWS,
     *mixed.ROWS,
