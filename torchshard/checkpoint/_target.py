@@ -171,9 +171,6 @@ class Target:
         if self.trainer is not None:
             self.trainer.after_load()
 
-    def global_rank(self, rank: int) -> int:
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
-
     def exchange(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order (a collective: every rank calls it)."""
         return exchange_bytes(data, self.group, self.device)
