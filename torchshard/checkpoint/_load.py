@@ -6,7 +6,8 @@ verifying checksums. Only when every rank has read its part without error
 does anything change: each rank copies its range into place and the ranges
 are broadcast, so every rank ends with the whole buffer. A rank without a flat
 buffer (``shard="full"``) reads its local shards' runs instead, and keeps them:
-nothing is broadcast.
+nothing is broadcast. With hybrid sharding the replicas hold the same local shards: each
+reads a part of them, and an all-gather across the replicas completes them (``_reads``).
 
 With ``fallback=True`` a root's complete checkpoints are tried newest first:
 one that every rank refused before anything changed is skipped for the next
