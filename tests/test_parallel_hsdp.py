@@ -29,7 +29,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import torchshard
 from torchshard import DistributedTrainer, FlatParamModule, MeshError
 from torchshard._parallel.full.mode import FullyShard
-from torchshard.checkpoint import CheckpointError
 
 ADAMW = dict(lr=1e-2, eps=1e-6, weight_decay=0.1)
 STEPS = 5
@@ -248,22 +247,15 @@ def _errors(tmp: str) -> list[str]:
             DistributedTrainer(fm, **kw)  # type: ignore[arg-type]
         except MeshError as e:
             seen.append(str(e))
-    trainer = _trainer(mesh, True)
-    try:
-        torchshard.checkpoint.save(tmp, trainer, step=1)
-    except CheckpointError as e:
-        seen.append(str(e))
-    trainer.close()
     return seen
 
 
-def test_bad_meshes_and_checkpoints_raise_clearly(tmp_path):
+def test_bad_meshes_raise_clearly(tmp_path):
     for seen in run_distributed(_errors, 4, str(tmp_path), timeout=120):
-        assert len(seen) == 4, seen
+        assert len(seen) == 3, seen
         assert "pass mesh= or process_group=, not both" in seen[0]
         assert "tp=2 is not implemented by DistributedTrainer yet" in seen[1]
         assert "mesh: expected a torchshard Mesh" in seen[2]
-        assert "hybrid sharding (a mesh with dp_replicate=2) has no checkpoint support" in seen[3]
 
 
 def _hsdp_vs_ddp(replicate: int, shard: object) -> dict:

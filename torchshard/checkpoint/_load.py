@@ -6,7 +6,8 @@ verifying checksums. Only when every rank has read its part without error
 does anything change: each rank copies its range into place and the ranges
 are broadcast, so every rank ends with the whole buffer. A rank without a flat
 buffer (``shard="full"``) reads its local shards' runs instead, and keeps them:
-nothing is broadcast.
+nothing is broadcast. With hybrid sharding the replicas hold the same local shards: each
+reads a part of them, and an all-gather across the replicas completes them (``_reads``).
 
 With ``fallback=True`` a root's complete checkpoints are tried newest first:
 one that every rank refused before anything changed is skipped for the next
@@ -30,16 +31,18 @@ from .._log import get_logger
 from ._format import METADATA, complete_checkpoints, resolve, saved_slots
 from ._metadata import Metadata, Readers, layout_difference, read_metadata
 from ._optim import MASTER, OptimizerView, group_problem, restore_group_values
-from ._plan import gather_ranges, overlap
+from ._plan import overlap
 from ._reads import (
     Holding,
     Parts,
-    gather_parts,
+    gather_alike,
+    gather_whole,
     into_shards,
     live_weights,
     packed,
     read_state,
-    shard_runs,
+    weight_reads,
+    whole_ranges,
     zero_gaps,
 )
 from ._rules import OPTIMIZER_RULES
@@ -135,8 +138,7 @@ def _read_share(
     two and keep it pinned after the load.
     """
     layout = t.fm.layout
-    equal = packed(gather_ranges(layout.numel, t.world, t.rank))
-    mine, numel = (equal, sum(b - a for a, b, _ in equal)) if t.fm.is_bound else shard_runs(t)
+    mine, reads, numel, within = weight_reads(t)
     own = t.owns_state(optimizer)
     weights = torch.empty(numel, dtype=layout.torch_dtype)
     written = []
@@ -145,7 +147,7 @@ def _read_share(
         lo, hi = shard["slots"]
         saved = {s.name for s in saved_slots(layout, lo, hi, meta.raw)}
         for slot in layout.slots[lo:hi]:
-            for rs, re, at in mine:
+            for rs, re, at in reads:
                 ov = overlap((slot.offset, slot.end), (rs, re))
                 if ov is None:
                     continue
@@ -160,7 +162,7 @@ def _read_share(
                 read = readers[shard["file"]]  # a mixed buffer holds bytes: read bytes
                 take = read.read_bytes_into if layout.mixed else read.read_into
                 take(slot.name, a - slot.offset, b - slot.offset, dst)
-    zero_gaps(weights, written)
+    zero_gaps(weights, written, within)
     buffers = {}
     for name, want in t.buffers().items():
         file = meta.buffers[name]
@@ -184,7 +186,8 @@ def _read_share(
                 read_state(readers, meta, stream, hold.direct, host)
             else:
                 host = torch.empty(hold.numel, dtype=stream.dtype)
-                zero_gaps(host, read_state(readers, meta, stream, hold.parts, host))
+                written = read_state(readers, meta, stream, hold.parts, host)
+                zero_gaps(host, written, hold.within)
             state[stream], holdings[stream] = host, hold
     return _Read(weights, mine, buffers, state, holdings)
 
@@ -241,16 +244,19 @@ def _apply(
     def fill(full: torch.Tensor, mine: torch.Tensor | None, n: int) -> None:
         """This rank's equal parts of ``full[:n]`` from ``mine`` (``None``: read in place),
         then the exchange of the rest, started, not waited for."""
-        for a, b, at in packed(gather_ranges(n, t.world, t.rank)) if mine is not None else ():
+        for a, b, at in packed(whole_ranges(t, n)) if mine is not None else ():
             full[a:b].copy_(mine[at : at + b - a], non_blocking=True)
-        pending.extend(gather_parts(full, n // t.world, t, by_broadcast=by_broadcast))
+        pending.extend(gather_whole(full, n, t, by_broadcast=by_broadcast))
 
     flat = t.fm.flat_param
     if flat is not None:
         fill(flat, share.weights, layout.numel)
     else:  # read for the local shards' runs, laid out like their tensor; in its dtype: a bf16
         # buffer's fp32 master is the bf16 weights until a saved master overrides it below
-        into_shards(t, share.weights, share.parts)
+        weights = share.weights if t.across is None else share.weights.to(t.device)
+        for work in gather_alike(weights, t, by_broadcast=by_broadcast):  # the replicas' parts
+            work.wait()
+        into_shards(t, weights, share.parts)
     live = t.buffers()
     for name, value in share.buffers.items():
         live[name].copy_(value)
@@ -265,12 +271,13 @@ def _apply(
     # now, so that it and the loaded one are never held at once.
     optimizer.state.clear()
     # An optimizer of local shards holds their runs only (read laid out like their tensor):
-    # no exchange needed.
+    # no exchange needed, but across replicas, each of which read a part of them.
     flat_state: dict[Stream, tuple[torch.Tensor, Holding]] = {}
     for stream, host in share.optim.items():
         hold = share.holdings[stream]
-        if hold.whole is None:  # read for this rank alone, and nothing else holds it
+        if hold.whole is None:  # read for this rank (its replicas' parts gathered)
             tensor = host.to(t.device)
+            pending.extend(gather_alike(tensor, t, by_broadcast=by_broadcast))
         elif host.numel() == hold.whole:  # read in place (CPU): the exchange is left
             tensor = host
             fill(host, None, host.numel())

@@ -26,6 +26,7 @@ __all__ = [
     "gather_ranges",
     "overlap",
     "plan_share",
+    "spread_ranges",
     "state_ranges",
     "stored_parts",
     "trainable_only",
@@ -206,18 +207,20 @@ def plan_share(
 def exchange_splits(
     stripes: Sequence[tuple[int, int]], dest: Sequence[tuple[int, int]], rank: int
 ) -> tuple[list[int], list[int]]:
-    """For one unit of a fully sharded save: how many elements ``rank`` sends to each rank
-    (its stripe's overlap with their range) and receives from each (their stripes' overlap
-    with its range), as ``all_to_all_single``'s input and output split sizes.
+    """For one unit of a save: how many elements ``rank`` sends to each rank (its stripe's
+    overlap with their range) and receives from each (their stripes' overlap with its
+    range), as ``all_to_all_single``'s input and output split sizes.
 
     ``stripes``: every rank's ``[a, b)`` of the unit, in rank order, tiling it; ``dest``:
-    every rank's range to fill, in rank order, tiling at least the unit. Both are runs in
-    rank order, so what a rank sends is its stripe in order, and what it receives is its
-    range's part of the unit in order.
+    every rank's range to fill, in rank order, tiling one block of the buffer: at least the
+    unit, or (hybrid sharding: a replica's ranges) a part of it, of which each rank then sends
+    its stripe's part in the block. Both are runs in rank order, so what a rank sends is its
+    stripe's part in the block, in order, and what it receives its range's part of the unit.
 
     Example::
 
         exchange_splits([(0, 6), (6, 10)], [(0, 4), (4, 10)], 0)  # ([4, 2], [4, 0])
+        exchange_splits([(0, 6), (6, 10)], [(5, 7), (7, 8)], 0)  # ([1, 0], [1, 1])
     """
 
     def size(a: tuple[int, int], b: tuple[int, int]) -> int:
@@ -226,6 +229,27 @@ def exchange_splits(
 
     mine, target = stripes[rank], dest[rank]
     send = [size(mine, d) for d in dest]
-    if sum(send) != mine[1] - mine[0]:
-        raise ValueError(f"dest: expected ranges that cover the stripe {mine}, got {list(dest)}")
+    if sum(send) != size(mine, (dest[0][0], dest[-1][1])):
+        raise ValueError(
+            f"dest: expected ranges that cover the stripe {mine} where they reach, got {list(dest)}"
+        )
     return send, [size(s, target) for s in stripes]
+
+
+def spread_ranges(
+    numel: int, shards: int, shard: int, replicas: int, replica: int
+) -> list[tuple[int, int]]:
+    """:func:`gather_ranges` for a hybrid group of ``replicas x shards`` ranks: what rank
+    ``(replica, shard)`` reads of a tensor that every rank ends up holding whole. Its shard
+    rank's equal part of the tensor is cut again in equal parts over the replicas: it reads
+    its replica's, then that part's tail and the tensor's tail (fewer than ``replicas``
+    and ``shards`` elements, read by each rank that needs them). One all-gather across the
+    replicas completes the shard rank's part, one inside the shard group the rest.
+
+    Example::
+
+        spread_ranges(10, 2, 1, 2, 0)  # [(5, 7), (9, 10)]: [5, 10) is shard 1's, [9, 10) its tail
+    """
+    b = numel // shards
+    inner = [(shard * b + x, shard * b + y) for x, y in gather_ranges(b, replicas, replica)]
+    return inner + ([(shards * b, numel)] if shards * b < numel else [])

@@ -1,6 +1,13 @@
 """Reads of a checkpoint's flat tensors into host memory: ranges packed one after another,
 what no read wrote zeroed, and flat optimizer state read, stream by stream, from what its
-files store into the place the live optimizer holds it (:class:`Holding`)."""
+files store into the place the live optimizer holds it (:class:`Holding`).
+
+Each byte is read once across the ranks, then spread. A tensor every rank holds whole is read
+in equal parts (:func:`whole_ranges`) and all-gathered (:func:`gather_whole`). What a rank
+holds alone (its local shards) it reads itself; with hybrid sharding every replica holds the
+same local shards, so each reads its equal part of them (:func:`alike_ranges`) and one
+all-gather across the replicas (:func:`gather_alike`) completes them.
+"""
 
 from __future__ import annotations
 
@@ -14,20 +21,26 @@ import torch.distributed as dist
 from .._flat.layout import ParamSlot
 from ._metadata import Metadata, Readers
 from ._optim import OptimizerView
-from ._plan import gather_ranges, overlap
+from ._plan import gather_ranges, overlap, spread_ranges
 from ._streams import Held, Stream, stream_parts
-from ._target import Target
+from ._target import Ranks, Target
 
 __all__ = [
     "Holding",
     "Parts",
+    "alike_ranges",
+    "gather_alike",
     "gather_parts",
+    "gather_whole",
     "into_shards",
     "live_weights",
     "packed",
     "packed_bytes",
     "read_state",
+    "restrict",
     "shard_runs",
+    "weight_reads",
+    "whole_ranges",
     "zero_gaps",
 ]
 
@@ -45,9 +58,20 @@ def packed(ranges: list[tuple[int, int]]) -> Parts:
     return out
 
 
-def zero_gaps(into: torch.Tensor, written: list[tuple[int, int]]) -> None:
+def zero_gaps(
+    into: torch.Tensor,
+    written: list[tuple[int, int]],
+    within: list[tuple[int, int]] | None = None,
+) -> None:
     """Zero what no read wrote (alignment gaps, a stripe's padding), range by range: the rest
-    was read, so the buffer is allocated empty rather than zeroed whole."""
+    was read, so the buffer is allocated empty rather than zeroed whole. ``within``: only
+    there (what this rank read a part of; the rest comes from other ranks)."""
+    if within is not None:
+        pos, written = 0, list(written)
+        for a, b in sorted(within):
+            written.append((pos, a))
+            pos = b
+        written.append((pos, into.numel()))
     pos = 0
     for a, b in sorted(written):
         if a > pos:
@@ -107,14 +131,17 @@ class Holding:
     whole: int | None  # elements of the state held whole; None: as read
     position: Callable[[int], int]
     direct: Parts = field(default_factory=list)  # whole: ``parts`` placed in the whole
+    within: list[tuple[int, int]] | None = None  # not whole: the part this rank reads (of
+    # local shards its replicas hold alike), the rest gathered; None: all of it
 
     @classmethod
     def of(cls, t: Target, view: OptimizerView, own: bool, stream: Stream) -> Holding:
         layout, w = t.fm.layout, stream.width
         if own and not layout.mixed:  # the local shards' runs, laid out like their tensor
             assert t.stripes is not None
-            shards = t.stripes
-            return cls(list(shards.runs), shards.tensor.numel(), None, shards.position)
+            shards, n = t.stripes, t.stripes.tensor.numel()
+            mine = alike_ranges(t, n)
+            return cls(restrict(list(shards.runs), mine), n, None, shards.position, within=mine)
         if own:  # the segments of the stream's dtype, one after another
             at, parts, where = 0, [], {}
             for seg in view.segments:
@@ -122,9 +149,10 @@ class Holding:
                     parts.append((seg.start, seg.end, at))
                     where[seg.start] = at
                     at += (seg.end - seg.start) // w
-            return cls(parts, at, None, where.__getitem__)
+            mine = alike_ranges(t, at)
+            return cls(restrict(parts, mine, w), at, None, where.__getitem__, within=mine)
         held = Held.of(layout, stream.param)  # equal parts of it, gathered after
-        equal = packed(gather_ranges(held.numel, t.world, t.rank))
+        equal = packed(whole_ranges(t, held.numel))
         parts = [(a, b, at + pos - x) for x, y, at in equal for a, b, pos in held.reads(x, y)]
         direct = [(a, b, pos) for x, y, _ in equal for a, b, pos in held.reads(x, y)]
         return cls(parts, sum(y - x for x, y, _ in equal), held.numel, held.position, direct)
@@ -155,6 +183,19 @@ def shard_runs(t: Target) -> tuple[Parts, int]:
         runs += [(a, b, n + at) for a, b, at in t.frozen.runs]
         n += t.frozen.tensor.numel()
     return runs, n
+
+
+def weight_reads(t: Target) -> tuple[Parts, Parts, int, list[tuple[int, int]] | None]:
+    """What a load reads of the weights: where they go in what is read (equal parts of the
+    buffer held whole, or :func:`shard_runs`), what of it this rank reads (all of that, or
+    with hybrid sharding its replica's part of the local shards, gathered after), the
+    elements in all, and the range it reads them within (``None``: all of them)."""
+    if t.fm.is_bound:
+        mine = packed(whole_ranges(t, t.fm.layout.numel))
+        return mine, mine, sum(b - a for a, b, _ in mine), None
+    mine, numel = shard_runs(t)
+    within = alike_ranges(t, numel)
+    return mine, restrict(mine, within), numel, within
 
 
 @torch.no_grad()
@@ -191,19 +232,80 @@ def live_weights(
     return live[at : at + (b - a) // slot.width].to(slot.torch_dtype).view(torch.uint8)
 
 
-def gather_parts(full: torch.Tensor, b: int, t: Target, *, by_broadcast: bool) -> list[dist.Work]:
+def restrict(parts: Parts, ranges: list[tuple[int, int]], width: int = 1) -> Parts:
+    """What of ``parts`` lies at ``ranges`` of what is read (``width`` positions per element).
+
+    Example::
+
+        restrict([(10, 20, 0), (30, 40, 10)], [(5, 15)])  # [(15, 20, 5), (30, 35, 10)]
+    """
+    out = []
+    for a, b, at in parts:
+        end = at + (b - a) // width
+        for x, y in ranges:
+            lo, hi = max(at, x), min(end, y)
+            if lo < hi:
+                out.append((a + (lo - at) * width, a + (hi - at) * width, lo))
+    return out
+
+
+def whole_ranges(t: Target, numel: int) -> list[tuple[int, int]]:
+    """What this rank reads of a tensor of ``numel`` elements that every rank ends up holding
+    whole: :func:`~._plan.gather_ranges` over the ranks, or with hybrid sharding
+    :func:`~._plan.spread_ranges` (completed by :func:`gather_whole`)."""
+    if t.across is None:
+        return gather_ranges(numel, t.world, t.rank)
+    return spread_ranges(numel, t.cut.size, t.cut.rank, t.across.size, t.across.rank)
+
+
+def alike_ranges(t: Target, numel: int) -> list[tuple[int, int]]:
+    """What this rank reads of its local shards' tensor (``numel`` elements): all of it, or
+    with hybrid sharding, where the replicas hold the same, its replica's equal part and
+    the tail (completed by :func:`gather_alike`)."""
+    if t.across is None:
+        return [(0, numel)] if numel else []
+    return gather_ranges(numel, t.across.size, t.across.rank)
+
+
+def gather_whole(
+    full: torch.Tensor, numel: int, t: Target, *, by_broadcast: bool
+) -> list[dist.Work]:
+    """Start completing ``full[:numel]`` from every rank's :func:`whole_ranges`: one
+    all-gather over the ranks; with hybrid sharding one across the replicas first (of the
+    shard rank's part; waited for: cross-node, ``1 / dp_shard`` of the bytes), then one
+    inside the shard group. The handles not waited for."""
+    if t.across is None:
+        return gather_parts(full, numel // t.world, t.dp, by_broadcast=by_broadcast)
+    b = numel // t.cut.size
+    part = full[t.cut.rank * b : (t.cut.rank + 1) * b]
+    for work in gather_parts(part, b // t.across.size, t.across, by_broadcast=by_broadcast):
+        work.wait()
+    return gather_parts(full, b, t.cut, by_broadcast=by_broadcast)
+
+
+def gather_alike(full: torch.Tensor, t: Target, *, by_broadcast: bool) -> list[dist.Work]:
+    """Start completing local shards' ``full`` from every replica's :func:`alike_ranges`
+    (one all-gather across the replicas; nothing without them)."""
+    if t.across is None:
+        return []
+    return gather_parts(full, full.numel() // t.across.size, t.across, by_broadcast=by_broadcast)
+
+
+def gather_parts(
+    full: torch.Tensor, b: int, ranks: Ranks, *, by_broadcast: bool
+) -> list[dist.Work]:
     """Start exchanging every rank's part ``[r * b, (r + 1) * b)`` of ``full``, so that every
-    rank holds ``full[:world * b]``: one in-place all-gather (NCCL's in-place condition), or
-    one broadcast per rank; their handles, not waited for."""
-    if t.world == 1 or b == 0:
+    rank of ``ranks`` holds ``full[:size * b]``: one in-place all-gather (NCCL's in-place
+    condition), or one broadcast per rank; their handles, not waited for."""
+    if ranks.size == 1 or b == 0:
         return []
     if by_broadcast:
         return [
             dist.broadcast(
-                full[q * b : (q + 1) * b], t.global_rank(q), group=t.group, async_op=True
+                full[q * b : (q + 1) * b], ranks.global_rank(q), group=ranks.group, async_op=True
             )
-            for q in range(t.world)
+            for q in range(ranks.size)
         ]
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    mine = full[t.rank * b : (t.rank + 1) * b]
-    return [gather(full[: t.world * b], mine, group=t.group, async_op=True)]
+    mine = full[ranks.rank * b : (ranks.rank + 1) * b]
+    return [gather(full[: ranks.size * b], mine, group=ranks.group, async_op=True)]

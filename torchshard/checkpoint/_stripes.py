@@ -14,6 +14,12 @@ gathered region; transient, one run (and on a GPU the region's part of the range
 on its way to host memory). A load needs no exchange into the shards: each rank
 reads exactly its runs from the files.
 
+With hybrid sharding the runs are cut over a shard group, and every replica holds the same
+runs: the group's ranks are data-parallel ranks ``first .. first + world - 1``, whose
+ranges of the files tile one block of the buffer. The exchange then runs inside the shard
+group, for that block only (the regions outside it are skipped by the whole group alike):
+each rank sends its runs' part in the block, and the replicas split the files between them.
+
 Nothing here knows the mode that cut the regions.
 """
 
@@ -49,8 +55,12 @@ class Stripes:
         rank: int,
         world: int,
         dtypes: list[torch.dtype] | None = None,
+        first: int = 0,
     ) -> None:
         self.shards, self.group, self.rank, self.world = shards, group, rank, world
+        self.first = first
+        """The data-parallel rank of the group's rank 0 (hybrid sharding: ``replica x
+        world``): a save's ranges are every data-parallel rank's, the group's from here."""
         self.dtypes = dtypes
         """Each region's dtype where the buffer is bytes of several (its positions are bytes,
         the tensor's elements that dtype's); ``None``: positions are the tensor's elements."""
@@ -73,15 +83,16 @@ class Stripes:
         return self.shards.runs
 
     def covers(self, span: tuple[int, int], rank: int | None = None) -> bool:
-        """Whether rank ``rank``'s runs (default: this rank's) hold every flat element of
-        ``span`` (an empty one: yes). Every rank's cuts are data: no exchange.
+        """Whether data-parallel rank ``rank``'s runs (default: this rank's) hold every flat
+        element of ``span`` (an empty one: yes). Every rank's cuts are data: no exchange (a
+        replica's rank holds what the same rank of this group does).
 
         Example::
 
             shards = LocalShards(t, ((0, 8, 0),), ((0, 16),), (((0, 8), (8, 16)),))
             Stripes(shards, None, 0, 2).covers((0, 8))  # True: rank 0 holds [0, 8)
         """
-        q = self.rank if rank is None else rank
+        q = self.rank if rank is None else rank % self.world
         pos, end = span
         for a, b in sorted(every[q] for every in self.shards.every):
             if a <= pos < b:
@@ -112,7 +123,7 @@ class Stripes:
                 regions.append(tuple(space.element(x) for x in region))
                 every.append([tuple(space.element(x) for x in c) for c in cuts])
         mapped = LocalShards.of(self.tensor, regions, every, self.rank, [0] * len(regions))
-        return Stripes(mapped, self.group, self.rank, self.world)
+        return Stripes(mapped, self.group, self.rank, self.world, None, self.first)
 
     # -- a load ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -148,8 +159,9 @@ class Stripes:
         ``None``: the tensor, in ``out``'s dtype) or of one optimizer state: ``parts`` are this
         rank's ``(start, end, tensor)`` of it (``None``: no state; zeros, as between them).
 
-        A collective, region by region: every rank calls it with the same ``dest`` (every
-        rank's range in rank order, tiling ``[0, layout.numel)``). One run is transient.
+        A collective, region by region: every rank of the group calls it with the same
+        ``dest`` (every data-parallel rank's range in rank order, tiling ``[0,
+        layout.numel)``; ``rank`` is this one's). One run's part is transient.
         """
         by_region: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
         for a, b, x in parts or ():
@@ -158,15 +170,17 @@ class Stripes:
         tensor = self.tensor
 
         def send(k: int, a: int, b: int) -> torch.Tensor:
+            at = self.at[k] + (a - self.shards.every[k][self.rank][0]) // self._width(k)
             if parts is None and self.dtypes is not None:  # bytes, from elements of dtype k
                 n = (b - a) // self._width(k)
-                typed = tensor[self.at[k] : self.at[k] + n].to(self.dtypes[k])
-                return typed.view(torch.uint8)
+                return tensor[at : at + n].to(self.dtypes[k]).view(torch.uint8)
             if parts is None:
-                return tensor[self.at[k] : self.at[k] + b - a].to(out.dtype)
+                return tensor[at : at + b - a].to(out.dtype)
             mine = torch.zeros(b - a, dtype=out.dtype, device=tensor.device)
             for s, e, x in by_region.get(k, ()):
-                mine[s - a : e - a] = x.reshape(-1)
+                ov = overlap((s, e), (a, b))
+                if ov is not None:
+                    mine[ov[0] - a : ov[1] - a] = x.reshape(-1)[ov[0] - s : ov[1] - s]
             return mine
 
         self._exchange(send, dest, out)
@@ -177,15 +191,20 @@ class Stripes:
         dest: list[tuple[int, int]],
         out: torch.Tensor,
     ) -> None:
-        """For each region ``k``: this rank's cut ``[a, b)`` of it, ``send(k, a, b)`` (on the
-        trainer's device), to the ranks whose ``dest`` ranges hold it; into ``out``, the part
-        of ``dest[rank]`` in the region, from the ranks whose cuts hold it."""
+        """For each region ``k`` that meets the group's block (its ranks' ``dest``): the part
+        ``[a, b)`` of this rank's cut of it in the block, ``send(k, a, b)`` (on the trainer's
+        device), to the ranks whose ``dest`` ranges hold it; into ``out``, the part of this
+        rank's range in the region, from the ranks whose cuts hold it."""
+        dest = dest[self.first : self.first + self.world]  # the group's ranges: its block
+        block = (dest[0][0], dest[-1][1])
         d0, d1 = dest[self.rank]
         if out.numel() != d1 - d0:
             raise ValueError(f"out: expected {d1 - d0} elements, got {out.numel()}")
         for k, (region, every) in enumerate(zip(self.shards.regions, self.shards.every)):
+            if region[1] <= block[0] or region[0] >= block[1]:
+                continue  # another replica's files: the whole group skips it
             a, b = every[self.rank]
-            mine = send(k, a, b).contiguous()
+            mine = send(k, *(overlap((a, b), block) or (a, a))).contiguous()
             ov = overlap((d0, d1), region)
             host = out[ov[0] - d0 : ov[1] - d0] if ov is not None else out[:0]
             if self.world == 1:

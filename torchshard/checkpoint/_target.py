@@ -22,7 +22,7 @@ from .._flat.module import FlatParamModule
 from .._parallel.state import TrainState
 from ._stripes import Stripes
 
-__all__ = ["CheckpointInfo", "Checkpointable", "Target"]
+__all__ = ["CheckpointInfo", "Checkpointable", "Ranks", "Target"]
 
 Checkpointable = TrainState | FlatParamModule
 """What save and load take: a trainer, or a bound ``FlatParamModule`` (a world of one)."""
@@ -52,24 +52,46 @@ class CheckpointInfo:
     the same on every rank."""
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """A process group as a checkpoint uses it: this rank's place in it, and its size.
+
+    Example::
+
+        Ranks(None, 0, 1).global_rank(0)  # 0: a world of one
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank of ``rank`` of the group (torch's collectives name roots so)."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
 class Target:
-    """What a save or load acts on: a flat module, and the group of ranks holding it."""
+    """What a save or load acts on: a flat module, and the group of ranks holding it.
+
+    With hybrid sharding (``trainer.replicas > 1``) the data-parallel group is
+    ``replicas x shards`` ranks: ``cut`` is the shard group the local shards are cut over,
+    ``across`` the ranks holding the same shards in the other replicas. Otherwise ``cut`` is
+    the data-parallel group and ``across`` is ``None``.
+    """
 
     def __init__(self, obj: Checkpointable) -> None:
         self.trainer = obj if isinstance(obj, TrainState) else None
+        self.across: Ranks | None = None
         if self.trainer is not None:
             t = self.trainer
-            if getattr(t, "replicas", 1) > 1:
-                raise CheckpointError(
-                    f"trainer: hybrid sharding (a mesh with dp_replicate={t.replicas}) has no "
-                    "checkpoint support yet; save from a trainer over a mesh with "
-                    "dp_replicate=1 or over process_group="
-                )
             self.fm, self.group = t.module, t.process_group
             self.rank, self.world, self.device = t.rank, t.world_size, t.device
+            self.cut = Ranks(self.group, self.rank, self.world)
+            if getattr(t, "replicas", 1) > 1:
+                self.cut, self.across = _hybrid(t)
         elif isinstance(obj, FlatParamModule):
             self.fm, self.group, self.rank, self.world = obj, None, 0, 1
-            self.device = obj.device
+            self.device, self.cut = obj.device, Ranks(None, 0, 1)
         else:
             raise CheckpointError(
                 f"trainer: expected a DistributedTrainer or a FlatParamModule, got {type(obj).__name__}"
@@ -84,13 +106,24 @@ class Target:
             if shards is not None and layout.mixed
             else None
         )
+        cut, first = self.cut, self.rank - self.cut.rank  # this shard group's first dp rank
+        if shards is not None and any(len(e) != cut.size for e in shards.every):
+            raise CheckpointError(
+                f"trainer.local_shards(): cut over {len(shards.every[0])} ranks, expected "
+                f"{cut.size} (the ranks the trainer shards over); the checkpoint cannot place "
+                "its state"
+            )
         self.stripes = (
-            None if shards is None else Stripes(shards, self.group, self.rank, self.world, dtypes)
+            None
+            if shards is None
+            else Stripes(shards, cut.group, cut.rank, cut.size, dtypes, first)
         )
         # the weights it holds but never updates (frozen, fully sharded), as the buffer holds
         # them: positions are their elements
         frozen = shards.frozen if shards is not None else None
-        self.frozen = None if frozen is None else Stripes(frozen, self.group, self.rank, self.world)
+        self.frozen = (
+            None if frozen is None else Stripes(frozen, cut.group, cut.rank, cut.size, None, first)
+        )
         if not self.fm.is_bound and self.stripes is None:
             raise CheckpointError(
                 "trainer: the FlatParamModule is not bound to a buffer yet (or a fully "
@@ -138,15 +171,40 @@ class Target:
         if self.trainer is not None:
             self.trainer.after_load()
 
-    def global_rank(self, rank: int) -> int:
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
-
     def exchange(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order (a collective: every rank calls it)."""
         return exchange_bytes(data, self.group, self.device)
+
+    @property
+    def dp(self) -> Ranks:
+        """The data-parallel group: every rank saving or loading."""
+        return Ranks(self.group, self.rank, self.world)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Persistent module buffers by state-dict name (parameters excluded)."""
         names = {n for s in self.fm.layout for n in s.names}
         sd = self.fm.module.state_dict(keep_vars=True)
         return {k: v for k, v in sd.items() if k not in names and isinstance(v, torch.Tensor)}
+
+
+def _hybrid(t: TrainState) -> tuple[Ranks, Ranks]:
+    """A hybrid trainer's shard group and replicate group, from its mesh (``trainer.mesh``:
+    ``shape`` ``(dp_replicate, dp_shard, tp)``, ``coordinate``, the groups ``dp_shard`` and
+    ``dp_replicate``), checked against the trainer's data-parallel rank and size."""
+    replicas, mesh = getattr(t, "replicas", 1), getattr(t, "mesh", None)
+    shape = getattr(mesh, "shape", None)
+    if shape is None or len(shape) != 3 or shape[0] != replicas or shape[2] != 1:
+        raise CheckpointError(
+            f"trainer: hybrid sharding over {replicas} replicas, but its mesh is {shape} "
+            "(expected (dp_replicate, dp_shard, 1) with dp_replicate = trainer.replicas): "
+            "a checkpoint cannot tell which ranks hold which shards"
+        )
+    replica, shard, _ = mesh.coordinate
+    shards = shape[1]
+    if replica * shards + shard != t.rank or replicas * shards != t.world_size:
+        raise CheckpointError(
+            f"trainer: data-parallel rank {t.rank} of {t.world_size}, but the mesh puts it at "
+            f"replica {replica}, shard {shard} of {shape}; expected rank = replica x dp_shard "
+            "+ shard"
+        )
+    return Ranks(mesh.dp_shard, shard, shards), Ranks(mesh.dp_replicate, replica, replicas)
