@@ -37,9 +37,8 @@ continues the epoch exactly (docs/data.md).
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --shard full --bf16
 
     # hybrid sharding: --shard inside groups of 2 ranks, 2 replicas of each group (across
-    # nodes, say); no checkpoints of a hybrid trainer yet, hence --ckpt-dir ''
-    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --shard --dp-replicate 2 \
-        --ckpt-dir ''
+    # nodes, say); its checkpoints resume at any world size, mesh or mode
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --shard --dp-replicate 2
 
     # two machines (the same command on each; HOST0 is one of them)
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \
@@ -226,8 +225,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problem = f"expected a number of replicas >= 1, got {args.dp_replicate}"
     elif args.dp_replicate > 1 and args.shard is None:
         problem = "replicas of sharded state need --shard (or --shard full)"
-    elif args.dp_replicate > 1 and args.ckpt_dir:  # until hybrid checkpoints land (issue 23)
-        problem = "no checkpoints of a hybrid-sharded trainer yet; pass --ckpt-dir ''"
     if problem:
         with rank0_speaks():
             parser.error(f"argument --dp-replicate: {problem}")

@@ -278,24 +278,40 @@ def logged_losses(text: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_train_gpt_hybrid_sharding_trains_as_sharding_over_every_rank():
-    """--dp-replicate 2 at 4 ranks: 2 replicas of 2 shards (shard=True); the same losses as
-    --shard over the 4 ranks, up to the reduction order (the last bits; printed to 4 places)."""
-    gpt = [*GPT, "--steps", "20", "--log-every", "10", "--ckpt-dir", "", "--shard"]
+def test_train_gpt_hybrid_sharding_trains_stops_and_resumes_anywhere(tmp_path):
+    """--dp-replicate 2 at 4 ranks: 2 replicas of 2 shards (shard=True). The same losses as
+    --shard over the 4 ranks, up to the reduction order (the last bits; printed to 4 places);
+    stopped at step 8 and resumed, bitwise the uninterrupted run; its step-8 checkpoint
+    resumes fully sharded at 2 ranks."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    gpt = [*GPT, "--steps", "12", "--log-every", "4", "--save-every", "4", "--shard"]
     four = ("--standalone", "--nproc-per-node", "4")
-    hybrid = run(torchrun(*four, TRAIN_GPT, *gpt, "--dp-replicate", "2"))
-    assert "world 4 on cpu, sharded (hybrid: 2 replicas x 2 shards)" in hybrid, hybrid
-    plain = run(torchrun(*four, TRAIN_GPT, *gpt))
+    hybrid = [*four, TRAIN_GPT, *gpt, "--dp-replicate", "2"]
+    whole = run(torchrun(*hybrid, "--ckpt-dir", str(b)))
+    assert "world 4 on cpu, sharded (hybrid: 2 replicas x 2 shards)" in whole, whole
+    plain = run(torchrun(*four, TRAIN_GPT, *gpt, "--ckpt-dir", ""))
     assert "hybrid" not in plain, plain
-    ours, theirs = logged_losses(hybrid), logged_losses(plain)
-    assert list(ours) == [10, 20] and ours[20] < ours[10], hybrid
+    ours, theirs = logged_losses(whole), logged_losses(plain)
+    assert list(ours) == [4, 8, 12] and ours[12] < ours[4], whole
     assert ours == pytest.approx(theirs, abs=2e-4), (ours, theirs)
+
+    run(torchrun(*hybrid, "--ckpt-dir", str(a), "--stop-at", "8"))
+    resumed = run(torchrun(*hybrid, "--ckpt-dir", str(a), "--resume"))
+    assert f"resumed from {a}/step-00000008 (saved at world size 4" in resumed, resumed
+    ours, theirs = final_weights(a / "step-00000012"), final_weights(b / "step-00000012")
+    assert ours.keys() == theirs.keys() and ours
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours), "resumed weights differ"
+
+    two = ("--standalone", "--nproc-per-node", "2")
+    step8 = a / "step-00000008"
+    full = [*GPT, "--steps", "12", "--log-every", "4", "--shard", "full"]
+    text = run(torchrun(*two, TRAIN_GPT, *full, "--ckpt-dir", "", "--resume-from", str(step8)))
+    assert f"resumed from {step8} (saved at world size 4" in text, text
 
 
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--shard", "--dp-replicate", "2"], "pass --ckpt-dir ''"),  # no hybrid checkpoints yet
         (["--dp-replicate", "2", "--ckpt-dir", ""], "need --shard"),
         (["--shard", "--dp-replicate", "0", "--ckpt-dir", ""], "replicas >= 1, got 0"),
     ],
