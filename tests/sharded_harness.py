@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from gpt import GPT, GPTConfig
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from torchshard import DistributedTrainer, FlatParamModule
 
@@ -30,6 +32,19 @@ class Model(GPT):
         return logits, loss * self.gain.mean()
 
 
+class Checkpointed(Model):
+    """The model with each block under activation checkpointing (recomputed in backward)."""
+
+    def forward(self, idx, targets):  # type: ignore[override]
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        logits = self.lm_head(self.ln_f(x))
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss * self.gain.mean()
+
+
 class Heads(Model):
     """The model plus two auxiliary heads that some steps (and ranks) do not use."""
 
@@ -46,6 +61,23 @@ class Heads(Model):
         if use_aux2:
             loss = loss + self.aux2(h).pow(2).mean()
         return logits, loss
+
+
+@torch.no_grad()
+def tree_sum(model: torch.nn.Module) -> list[torch.Tensor | None]:
+    """Each parameter's gradient summed over 4 ranks as hybrid sharding at 2 x 2 sums it:
+    ``(g0 + g1) + (g2 + g3)`` (zeros where a rank has none; ``None`` where no rank has one).
+    A collective over the default group of 4 ranks."""
+    sums = []
+    for p in model.parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        had = torch.tensor([float(p.grad is not None)])
+        everyone = [torch.empty_like(g) for _ in range(4)]
+        dist.all_gather(everyone, g)
+        dist.all_reduce(had)
+        g0, g1, g2, g3 = everyone
+        sums.append(((g0 + g1) + (g2 + g3)) if had.item() else None)
+    return sums
 
 
 def no_decay(name: str) -> bool:

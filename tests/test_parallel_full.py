@@ -18,11 +18,10 @@ import torch
 import torch.distributed as dist
 from gpt import GPT, GPTConfig
 from multiprocess import run_distributed
-from sharded_harness import KW, Heads, Model, batch, no_decay
+from sharded_harness import KW, Checkpointed, Heads, Model, batch, no_decay
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import checkpoint
 
 from torchshard import DistributedTrainer, FlatParamModule, RankMismatchError, TorchShardError
 from torchshard._flat.layout import FlatLayout
@@ -284,19 +283,6 @@ def test_gradient_accumulation_reduce_scatters_every_backward_and_no_sync_raises
     for r in results:  # each of the 9 backwards reduce-scattered every unit, in backward
         assert len(r["reduced"]) == 9 and r["reduced"][0] > 0, r
         assert set(r["reduced"]) == {r["reduced"][0]}, r
-
-
-class Checkpointed(Model):
-    """The model with each block under activation checkpointing (recomputed in backward)."""
-
-    def forward(self, idx, targets):  # type: ignore[override]
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        logits = self.lm_head(self.ln_f(x))
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return logits, loss * self.gain.mean()
 
 
 def unit_storage(t: DistributedTrainer) -> int:

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiprocess import run_distributed
-from sharded_harness import Heads, Model, batch
+from sharded_harness import Heads, Model, batch, tree_sum
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torchshard
@@ -43,14 +43,8 @@ def _flags(rank: int, step: int) -> dict[str, bool]:
 def _tree_mean(model: torch.nn.Module) -> None:
     """Each parameter's gradient becomes ``((g0 + g1) + (g2 + g3)) / 4`` over the 4 ranks
     (zeros where a rank has none), or ``None`` where no rank has one."""
-    for p in model.parameters():
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        had = torch.tensor([float(p.grad is not None)])
-        everyone = [torch.empty_like(g) for _ in range(4)]
-        dist.all_gather(everyone, g)
-        dist.all_reduce(had)
-        g0, g1, g2, g3 = everyone
-        p.grad = ((g0 + g1) + (g2 + g3)).div(4) if had.item() else None
+    for p, total in zip(model.parameters(), tree_sum(model)):
+        p.grad = None if total is None else total.div(4)
 
 
 def _slice_state(trainer: DistributedTrainer) -> torch.Tensor:

@@ -15,32 +15,14 @@ import torch.distributed as dist
 from gpt import GPT
 from multiprocess import run_distributed
 from probes import HostReads
-from sharded_harness import CFG, Model, batch
+from sharded_harness import CFG, Checkpointed, Model, batch, tree_sum
 from test_checkpoint_mixed import Mixed
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import torchshard
 from torchshard import DistributedTrainer, FlatParamModule
 
 ADAMW = dict(lr=1e-2, eps=1e-6, weight_decay=0.1)
 MODES = [True, "full"]
-
-
-@torch.no_grad()
-def _tree_sum(model: nn.Module) -> list[torch.Tensor | None]:
-    """Each parameter's gradient summed over the 4 ranks as hybrid sharding sums it:
-    ``(g0 + g1) + (g2 + g3)`` (``None`` where no rank has one)."""
-    sums = []
-    for p in model.parameters():
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        had = torch.tensor([float(p.grad is not None)])
-        everyone = [torch.empty_like(g) for _ in range(4)]
-        dist.all_gather(everyone, g)
-        dist.all_reduce(had)
-        g0, g1, g2, g3 = everyone
-        sums.append(((g0 + g1) + (g2 + g3)) if had.item() else None)
-    return sums
 
 
 def _accumulate(shard: object) -> list[str]:
@@ -70,11 +52,11 @@ def _accumulate(shard: object) -> list[str]:
                 trainer.module(*x)[1].backward()
             ref(*x)[1].backward()
             if shard == "full":  # each backward's tree, summed in micro-batch order
-                for k, t in enumerate(_tree_sum(ref)):
+                for k, t in enumerate(tree_sum(ref)):
                     sums[k] = t if sums[k] is None else sums[k] + t
                 opt.zero_grad()
         if shard is True:
-            sums = _tree_sum(ref)
+            sums = tree_sum(ref)
         for p, t in zip(ref.parameters(), sums):
             p.grad = None if t is None else t.div(4)
         trainer.step()
@@ -113,19 +95,6 @@ def _meta_init(shard: object) -> bool:
 @pytest.mark.parametrize("shard", MODES)
 def test_meta_init_gives_the_plain_weights(shard):
     assert all(run_distributed(_meta_init, 4, shard, timeout=180))
-
-
-class Checkpointed(Model):
-    """Each block under activation checkpointing (recomputed in backward)."""
-
-    def forward(self, idx, targets):  # type: ignore[override]
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        logits = self.lm_head(self.ln_f(x))
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return logits, loss * self.gain.mean()
 
 
 def _checkpointed(shard: object) -> bool:
