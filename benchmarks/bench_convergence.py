@@ -159,9 +159,13 @@ def plot(results: dict, path: Path) -> Path | None:
         vals = [(int(s), r["val_loss"]) for s, r in by_seed.items() if "val_loss" in r]
         x = list(COMMS).index(name)
         axes[2].scatter([x] * len(vals), [v for _, v in vals], color=colors[name], s=18)
+    dense = [r["val_loss"] for r in runs.get("dense", {}).values() if "val_loss" in r]
+    for name, target in TARGETS.items() if dense else ():  # each target's bar over dense's mean
+        x, bar = list(COMMS).index(name), statistics.mean(dense) * (1 + target / 100)
+        axes[2].hlines(bar, x - 0.3, x + 0.3, color=colors[name], linestyles="dashed", lw=1)
     axes[0].set_title("training loss (mean over seeds, range shaded)")
     axes[1].set_title("the same, from a third of the run on")
-    axes[2].set_title("final validation loss, each seed")
+    axes[2].set_title("final validation loss by seed\n(dashed: the target over dense's mean)")
     for ax in axes[:2]:
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
