@@ -703,8 +703,6 @@ def main(argv: list[str] | None = None) -> float:
         trainer.stats.buckets,
         "units" if args.shard == "full" else f"buckets of {args.bucket_mb:g} MiB",
     )
-    if args.comm is not None:
-        log.info("gradients travel as %r", args.comm_object)
 
     tokens_per_step = args.batch_size * args.block_size * args.grad_accum  # all ranks
     # Counted as the loop receives them (the workers draw ahead): what a checkpoint saves.

@@ -389,7 +389,7 @@ def test_train_gpt_compresses_with_powersgd_after_its_start_and_refuses_it_shard
     two = ("--standalone", "--nproc-per-node", "2")
     gpt = [*GPT, "--steps", "12", "--log-every", "2", "--ckpt-dir", ""]
     text = run(torchrun(*two, TRAIN_GPT, *gpt, "--comm", "powersgd:2"))
-    assert "gradients travel as PowerSGD(rank=2, start_step=10" in text, text
+    assert "comm=PowerSGD(rank=2, start_step=10" in text, text  # the trainer's first line
     sent = sent_per_step(text)
     assert list(sent) == [2, 4, 6, 8, 10, 12], text
     assert sent[2][0] == sent[2][1] > 0 and sent[10] == sent[2], sent  # dense up to step 10

@@ -26,6 +26,7 @@ NAMES = {
     "topk": "`TopK(0.01)`",
     "star": "`Star(root=0)`",
 }
+LINKS = (1, 10, 100)  # Gbit/s, of the computed row
 LOSS_TARGETS = (("bf16", "BF16", 0.5), ("powersgd", "PowerSGD", 2.0), ("topk", "TopK", 3.0))
 
 
@@ -77,9 +78,9 @@ def _bytes_cell(r: Results) -> Cell:
         f"dense {mib(dense)}; BF16 {bf16 / dense:.3f}x ({mib(bf16)}), FP16 {fp16 / dense:.3f}x; "
         f"PowerSGD {dense / psgd:.1f}x less ({kib(psgd)}; over the example's {steps} steps, "
         f"dense for the first {start}: {dense / run:.1f}x less); TopK {topk / dense:.3f}x "
-        f"({kib(topk)} sent), each rank receives {kib(received[0])} at 2 ranks and "
-        f"{kib(received[1])} at 4 (a ring all-reduce: {kib(ring[0])} and {kib(ring[1])}; "
-        "TCP counters)"
+        f"({kib(topk)}: every rank's values and indices, all-gathered); on its sockets a "
+        f"rank receives with TopK {kib(received[0])} at 2 ranks and {kib(received[1])} at 4, "
+        f"with the ring all-reduce {mib(ring[0])} and {mib(ring[1])}"
     )
     if differ:
         cell += f"; not the same on every rank and step: {', '.join(differ)}"
@@ -109,7 +110,7 @@ def _step_cell(world: int) -> Any:
 def _link_cell(r: Results) -> Cell:
     rows = r["comm"]["computed"]
     parts = []
-    for gbit in (10, 100):
+    for gbit in LINKS:
         by_world = []
         for world in (2, 4):
             mine = {x["comm"]: x for x in rows if x["gbit"] == gbit and x["world"] == world}
@@ -223,7 +224,7 @@ ROWS = (
         ("comm",),
     ),
     Row(
-        "step time with a comm vs `AllReduce()` on a 10 / 100 Gbit/s link: this machine's "
+        "step time with a comm vs `AllReduce()` on a 1 / 10 / 100 Gbit/s link: this machine's "
         "measured compute + the bytes a rank sent or received / bandwidth (no overlap)",
         "computed",
         _link_cell,
