@@ -170,7 +170,8 @@ def plot(results: dict, path: Path) -> Path | None:
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    if axes[0].lines:
+        axes[0].legend(fontsize=8)
     axes[2].set_xticks(range(len(COMMS)), [LABELS[c].split(",")[0] + (" no EF" if "noef" in c
                        else "") for c in COMMS], rotation=30, ha="right", fontsize=8)  # fmt: skip
     axes[2].grid(alpha=0.3, axis="y")
