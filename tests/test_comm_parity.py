@@ -22,6 +22,7 @@ from gpt import GPTConfig
 from models import GPTWithAux
 from multiprocess import run_distributed
 
+import torchshard
 from torchshard import DistributedTrainer, FlatParamModule
 from torchshard.comm import BF16, FP16, AllReduce, Star
 
@@ -110,13 +111,17 @@ def test_allreduce_is_the_default_bitwise_and_star_matches_it(world_size, shard)
 
 
 # -- the cast comms --------------------------------------------------------------------------
-def _cast_matches_the_oracle(wire: torch.dtype, shard: bool, steps: int = 3) -> dict:
+def _cast_matches_the_oracle(
+    wire: torch.dtype, shard: bool, steps: int = 3, replicas: int = 1
+) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     fm = build(torch.float32)
     comm = BF16() if wire == torch.bfloat16 else FP16()
-    trainer = DistributedTrainer(fm, comm=comm, bucket_mb=0.001, shard=shard)
+    mesh = torchshard.init_mesh(dp_replicate=replicas) if replicas > 1 else None
+    trainer = DistributedTrainer(fm, comm=comm, bucket_mb=0.001, shard=shard, mesh=mesh)
     trainer.make_optimizer(torch.optim.SGD, lr=0.1)
-    s0, e0 = introspect.slice_range(trainer, rank) if shard else (0, fm.flat_grad.numel())  # type: ignore[union-attr]
+    mine = rank if mesh is None else mesh.coordinate[1]  # the rank in the shard group
+    s0, e0 = introspect.slice_range(trainer, mine) if shard else (0, fm.flat_grad.numel())  # type: ignore[union-attr]
     bitwise, within, representable, payload = [], [], [], []
     for step in range(steps):
         before = (trainer.stats.bytes_reduced, trainer.stats.payload_bytes)
@@ -158,6 +163,15 @@ def test_cast_comms_equal_the_one_process_oracle_at_two_ranks(wire, shard):
 def test_bf16_at_three_ranks_stays_within_the_rounding_of_its_sums():
     for r in run_distributed(_cast_matches_the_oracle, 3, torch.bfloat16, False, timeout=180):
         assert all(r["within"]) and all(r["representable"]), r
+
+
+def test_bf16_under_hybrid_sharding_reduces_in_bf16_across_replicas_too():
+    # 2 replicas of 2 shards: each bucket reduced in its shard group, then all-reduced
+    # across replicas, both in bf16
+    results = run_distributed(_cast_matches_the_oracle, 4, torch.bfloat16, True, 3, 2, timeout=240)
+    for r in results:
+        assert all(r["within"]) and all(r["representable"]), r
+        assert not r["fused"]
 
 
 def _mask_stays_exact_on_a_lossy_wire() -> dict:
