@@ -52,9 +52,17 @@ def batch(
     )
 
 
-def build(dtype: torch.dtype = torch.float64, seed: int = 0) -> FlatParamModule:
+def build(
+    dtype: torch.dtype = torch.float64, seed: int = 0, frozen: bool = False
+) -> FlatParamModule:
+    """The test model, wrapped; ``frozen``: ``a.weight`` (a compressed matrix) and ``b.bias``
+    do not train, so the gradient space is a strict part of the flat buffer."""
     torch.manual_seed(seed)
-    return FlatParamModule(Net().to(dtype))
+    net = Net().to(dtype)
+    if frozen:
+        net.a.weight.requires_grad_(False)
+        net.b.bias.requires_grad_(False)
+    return FlatParamModule(net)
 
 
 def loss_of(fm: FlatParamModule, xy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

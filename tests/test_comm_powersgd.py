@@ -29,9 +29,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _matches_the_oracle(rank_r: int, start: int, steps: int) -> dict:
+def _matches_the_oracle(rank_r: int, start: int, steps: int, frozen: bool = False) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    fm = build()
+    fm = build(frozen=frozen)
     trainer = DistributedTrainer(
         fm, comm=PowerSGD(rank=rank_r, start_step=start), bucket_mb=BUCKET_MB
     )
@@ -55,6 +55,9 @@ def _matches_the_oracle(rank_r: int, start: int, steps: int) -> dict:
         out["steps"].append(int(state["steps"]))
         trainer.step()
     out["buckets"] = trainer.stats.buckets
+    out["error_numel"] = trainer.comm_state()["error"].numel()  # only what trains
+    out["grad_numel"] = fm.layout.grad_layout.numel
+    out["flat_numel"] = fm.layout.numel
     out["reduced"] = trainer.stats.bytes_reduced
     out["expected_payload"] = _payload(fm, rank_r) if world > 1 else 0
     out["dense_payload"] = fm.flat_grad.numel() * 8 if world > 1 else 0  # type: ignore[union-attr]
@@ -78,10 +81,11 @@ def _payload(fm: FlatParamModule, r: int, min_compression: float = 2.0) -> int:
     return total * fm.flat_grad.element_size()  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_powersgd_equals_the_one_process_oracle(world_size):
-    for r in run_distributed(_matches_the_oracle, world_size, 2, 2, 5, timeout=240):
+@pytest.mark.parametrize(("world_size", "frozen"), [(1, False), (2, False), (3, False), (2, True)])
+def test_powersgd_equals_the_one_process_oracle(world_size, frozen):
+    for r in run_distributed(_matches_the_oracle, world_size, 2, 2, 5, frozen, timeout=240):
         assert r["dense_bitwise"] == [True, True] or world_size > 2, r["dense_bitwise"]
+        assert r["error_numel"] == r["grad_numel"] < r["flat_numel"] or not frozen
         assert len(r["mean"]) == 3 and max(r["mean"]) <= 1e-12, r["mean"]
         assert max(r["error"]) <= 1e-12 and max(r["q"]) <= 1e-12, (r["error"], r["q"])
         assert min(r["lossy"]) > 1e-6  # a rank-2 approximation, not the exact mean
