@@ -167,9 +167,14 @@ class TopKOracle:
     sends its ``k`` largest ``|g + e|``, keeps the rest; the sum in rank order over N."""
 
     def __init__(
-        self, buckets: list[tuple[int, int, int]], world: int, numel: int, dtype: torch.dtype
+        self,
+        buckets: list[tuple[int, int, int]],
+        world: int,
+        numel: int,
+        dtype: torch.dtype,
+        feedback: bool = True,
     ) -> None:
-        self.buckets, self.world = buckets, world  # (start, end, k)
+        self.buckets, self.world, self.feedback = buckets, world, feedback  # (start, end, k)
         self.error = torch.zeros(world, numel, dtype=dtype)
 
     def step(self, every: torch.Tensor) -> torch.Tensor:
@@ -181,6 +186,6 @@ class TopKOracle:
                 idx = torch.topk(m.abs(), k, sorted=False).indices
                 out.index_add_(0, idx, m[idx])
                 m[idx] = 0
-                self.error[w, a:b] = m
+                self.error[w, a:b] = m if self.feedback else 0
             mean[a:b] = out / self.world if self.world > 1 else out
         return mean

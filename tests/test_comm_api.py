@@ -29,6 +29,7 @@ from torchshard.comm import BF16, FP16, AllReduce, CommError, PowerSGD, Star, To
         (lambda: TopK(ratio=1.5), "ratio"),
         (lambda: TopK(ratio=-0.1), "ratio"),
         (lambda: TopK(ratio="0.1"), "ratio"),
+        (lambda: TopK(error_feedback=1), "error_feedback"),
         (lambda: Star(root=-1), "root"),
     ],
 )

@@ -21,24 +21,26 @@ from torchshard.comm import TopK
 RATIO = 0.1
 
 
-def _matches_the_oracle(steps: int = 4) -> dict:
+def _matches_the_oracle(feedback: bool = True, steps: int = 4) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     fm = build()
-    trainer = DistributedTrainer(fm, comm=TopK(ratio=RATIO), bucket_mb=0.004)
+    comm = TopK(ratio=RATIO, error_feedback=feedback)
+    trainer = DistributedTrainer(fm, comm=comm, bucket_mb=0.004)
     trainer.make_optimizer(torch.optim.SGD, lr=0.05)
     plan = [
         (b.start, b.end, max(1, math.ceil(RATIO * (b.end - b.start))))
         for b in introspect.buckets_of(trainer)
     ]
     numel = fm.flat_grad.numel()  # type: ignore[union-attr]
-    oracle = TopKOracle(plan, world, numel, torch.float64)
+    oracle = TopKOracle(plan, world, numel, torch.float64, feedback)
     out: dict = dict(mean=[], error=[], payload=[], sparse=[])
     for step in range(steps):
         before = trainer.stats.payload_bytes
         every, mean = local_then_mean(trainer, fm, batch(rank, step))
         want = oracle.step(every)
         out["mean"].append(torch.equal(mean, want))
-        out["error"].append(torch.equal(trainer.comm_state()["error"], oracle.error[rank]))
+        error = trainer.comm_state()["error"]
+        out["error"].append(torch.equal(error, oracle.error[rank]) and error.any() == feedback)
         out["sparse"].append(int((mean != 0).sum()))
         out["payload"].append(trainer.stats.payload_bytes - before)
         trainer.step()
@@ -50,9 +52,9 @@ def _matches_the_oracle(steps: int = 4) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_topk_equals_the_one_process_oracle_bitwise(world_size):
-    for r in run_distributed(_matches_the_oracle, world_size, timeout=180):
+@pytest.mark.parametrize(("world_size", "feedback"), [(1, True), (2, True), (3, True), (2, False)])
+def test_topk_equals_the_one_process_oracle_bitwise(world_size, feedback):
+    for r in run_distributed(_matches_the_oracle, world_size, feedback, timeout=180):
         assert all(r["mean"]) and all(r["error"]), r
         assert r["buckets"] >= 3
         assert r["payload"] == [r["expected_payload"]] * 4

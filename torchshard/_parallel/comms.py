@@ -167,11 +167,17 @@ class TopK:
 
     ratio: float = 0.01
     """The fraction of each bucket's entries sent, in (0, 1] (at least one entry)."""
+    error_feedback: bool = True
+    """Keep what was not sent for the next step (``False``: drop it, for comparison)."""
     kind: ClassVar[str] = "compress"
 
     def __post_init__(self) -> None:
         if not _real(self.ratio) or not 0 < self.ratio <= 1:
             raise CommError(f"TopK(ratio=...): expected a number in (0, 1], got {self.ratio!r}")
+        if not isinstance(self.error_feedback, bool):
+            raise CommError(
+                f"TopK(error_feedback=...): expected True or False, got {self.error_feedback!r}"
+            )
 
 
 Comm = AllReduce | BF16 | FP16 | Star | PowerSGD | TopK
@@ -297,7 +303,7 @@ def build_comm(comm: Comm, ctx: Any, buckets: tuple[Bucket, ...], dense: BucketC
     if isinstance(comm, PowerSGD):
         return PowerSGDComm(ctx, buckets, dense, comm.rank, comm.start_step, comm.min_compression)
     if isinstance(comm, TopK):
-        return TopKComm(ctx, buckets, comm.ratio)
+        return TopKComm(ctx, buckets, comm.ratio, comm.error_feedback)
     return dense
 
 

@@ -44,8 +44,11 @@ class TopKComm(ErrorFeedback):
         comm = TopKComm(ctx, buckets, ratio=0.01)
     """
 
-    def __init__(self, ctx: Any, buckets: tuple[Bucket, ...], ratio: float) -> None:
+    def __init__(
+        self, ctx: Any, buckets: tuple[Bucket, ...], ratio: float, error_feedback: bool = True
+    ) -> None:
         super().__init__(ctx)
+        self.error_feedback = error_feedback
         self.k = {b.index: topk_count(b.elements, ratio) for b in buckets}
         big = max((b.elements for b in buckets), default=0) >= 2**31
         self.index_dtype = torch.int64 if big else torch.int32
@@ -60,7 +63,10 @@ class TopKComm(ErrorFeedback):
         k = self.k[bucket.index]
         picked = torch.topk(error.abs(), k, sorted=False).indices
         values = error[picked]
-        error.index_fill_(0, picked, 0)  # e = M - what was sent
+        if self.error_feedback:
+            error.index_fill_(0, picked, 0)  # e = M - what was sent
+        else:
+            error.zero_()  # what was not sent is dropped
         indices = picked.to(self.index_dtype)
         n = self.mesh.size
         if n == 1:
