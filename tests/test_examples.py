@@ -355,7 +355,10 @@ def test_train_gpt_builds_each_comm_by_name():
     train_gpt = __import__("train_gpt")
     built = {
         text: train_gpt.parse_args(["--comm", text, "--ckpt-dir", ""]).comm_object
-        for text in ("allreduce", "bf16", "fp16", "star:1", "powersgd", "powersgd:8", "topk:0.1")
+        for text in (
+            *("allreduce", "bf16", "fp16", "star:1", "powersgd", "powersgd:8", "topk:0.1"),
+            "topk-noef:0.02",
+        )
     }
     assert built == {
         "allreduce": comm.AllReduce(),
@@ -365,6 +368,7 @@ def test_train_gpt_builds_each_comm_by_name():
         "powersgd": comm.PowerSGD(),
         "powersgd:8": comm.PowerSGD(rank=8),
         "topk:0.1": comm.TopK(ratio=0.1),
+        "topk-noef:0.02": comm.TopK(ratio=0.02, error_feedback=False),
     }
     assert train_gpt.parse_args(["--ckpt-dir", ""]).comm is None  # the default: no comm= at all
 
