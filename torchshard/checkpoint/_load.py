@@ -33,6 +33,7 @@ from ._metadata import Metadata, Readers, layout_difference, read_metadata
 from ._optim import MASTER, OptimizerView, group_problem, restore_group_values
 from ._plan import overlap
 from ._reads import (
+    BROADCAST_BACKENDS,
     Holding,
     Parts,
     gather_alike,
@@ -41,6 +42,7 @@ from ._reads import (
     live_weights,
     packed,
     read_state,
+    to_shards,
     weight_reads,
     whole_ranges,
     zero_gaps,
@@ -209,30 +211,6 @@ def _agree(t: Target, error: str | None, path: Path) -> _Refusal | None:
     return None
 
 
-# Backends whose all-gather goes through a temporary: gloo's all-gathers into a new tensor
-# of the whole output and copies it out (an extra pass over every byte, and its page faults:
-# at 1 GB saved at 2, 3x the CPU of the broadcasts it replaced), while its broadcast receives
-# in place. There the ranks' parts go by broadcast, all started at once.
-BROADCAST_BACKENDS = frozenset({"gloo"})
-
-
-def _to_shards(t: Target, view: OptimizerView | None = None) -> None:
-    """The flat buffer was loaded: the local shards' tensor, if one of its own, follows. With
-    parameters of several dtypes, each tensor the optimizers update (``view``'s, the
-    trainer's) that is not a view of the buffer (a master piece) is refreshed from it."""
-    flat = t.fm.flat_param
-    if flat is not None and t.fm.layout.mixed:
-        slots = t.fm.layout.slots
-        mine = [(s.slot, s.start, s.end, s.tensor) for s in view.segments] if view else []
-        for i, a, b, tensor in mine + t.own_segments():
-            weights = flat[a:b].view(slots[i].torch_dtype)
-            if tensor.data_ptr() != weights.data_ptr():
-                tensor.copy_(weights.view(tensor.shape))
-        return
-    if t.stripes is not None and flat is not None:
-        t.stripes.copy_from(flat)
-
-
 @torch.no_grad()
 def _apply(
     meta: Metadata, t: Target, share: _Read, optimizer: torch.optim.Optimizer | None
@@ -263,7 +241,7 @@ def _apply(
     if optimizer is None:
         for work in pending:
             work.wait()
-        _to_shards(t)
+        to_shards(t)
         return
     assert meta.optim is not None
     view = OptimizerView.of(optimizer, t)
@@ -287,7 +265,7 @@ def _apply(
         flat_state[stream] = (tensor, hold)
     for work in pending:  # the weights and the state, gathered at once
         work.wait()
-    _to_shards(t, view)  # a saved master, if any, overrides it below
+    to_shards(t, view)  # a saved master, if any, overrides it below
     segment = {id(seg.tensor): seg for seg in view.segments}
     scalars, stateful = meta.optim.scalar_state, meta.optim.stateful
     rules = meta.optim.rules
