@@ -199,9 +199,12 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "checkpoint._plan",
         "checkpoint._rules",
     },
+    # a lossy comm's state: its metadata section (pure)
+    "checkpoint._comm_meta": {"_flat.layout", "checkpoint._format", "checkpoint._rules"},
     "checkpoint._metadata": {
         "_errors",
         "_flat.layout",
+        "checkpoint._comm_meta",
         "checkpoint._format",
         "checkpoint._rules",
         "checkpoint._safetensors",
@@ -273,6 +276,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
     "checkpoint._tools": {
         "_errors",
         "_flat.layout",
+        "checkpoint._comm_meta",
         "checkpoint._format",
         "checkpoint._metadata",
         "checkpoint._plan",
