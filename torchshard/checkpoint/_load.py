@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .._errors import CheckpointError
 from .._flat.layout import dtype_from_name
 from .._log import get_logger
+from ._comm_state import apply_comm, check_comm_error, read_comm
 from ._format import METADATA, complete_checkpoints, resolve, saved_slots
 from ._metadata import Metadata, Readers, layout_difference, read_metadata
 from ._optim import MASTER, OptimizerView, group_problem, restore_group_values
@@ -336,11 +337,11 @@ def _candidates(given: Path, t: Target) -> tuple[bool, list[Path]]:
 
 
 def _load_one(
-    given: Path, t: Target, optimizer: torch.optim.Optimizer | None
+    given: Path, t: Target, optimizer: torch.optim.Optimizer | None, comm_error: str
 ) -> CheckpointInfo | _Refusal:
     """Load the checkpoint ``given`` (or the latest under it), or say why every rank refused
     it, having changed nothing: see :func:`load`."""
-    error, share, path = None, None, given
+    error, share, path, comm = None, None, given, None
     readers = None
     try:
         path = resolve(path)
@@ -348,6 +349,7 @@ def _load_one(
         _check_compatible(meta, t, optimizer)
         readers = Readers(meta)
         share = _read_share(meta, t, optimizer, readers)
+        comm = read_comm(meta, t, readers, comm_error)  # the compression state: _comm_state
     except CheckpointError as e:
         error = str(e)
     except OSError as e:
@@ -371,6 +373,7 @@ def _load_one(
     assert share is not None
     try:
         _apply(meta, t, share, optimizer)
+        note = apply_comm(t, comm)
         t.after_load()  # e.g. units gathered now hold the old weights
     except Exception as e:  # everything was checked: a bug, or a peer lost mid-way
         raise CheckpointError(
@@ -378,7 +381,9 @@ def _load_one(
             f"({type(e).__name__}: {e}); the model and optimizer may be partly loaded: "
             "load again, and please report this"
         ) from e
-    return CheckpointInfo(meta.step, meta.extra, path, readers.bytes_read if readers else 0)
+    return CheckpointInfo(
+        meta.step, meta.extra, path, readers.bytes_read if readers else 0, comm=note
+    )
 
 
 def load(
@@ -387,6 +392,7 @@ def load(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     fallback: bool = False,
+    comm_error: str = "mean",
 ) -> CheckpointInfo:
     """Load a checkpoint into ``trainer`` (and ``optimizer``), at any world size.
 
@@ -408,22 +414,30 @@ def load(
     ``path_or_root`` that is one checkpoint directory is loaded or refused
     as without ``fallback``.
 
+    The compression state of a lossy comm (``PowerSGD``, ``TopK``) is loaded on every
+    rank at any world size: the mean of the saved ranks' error feedback (``comm_error=
+    "reset"``: zero instead; for ``TopK`` the mean is an approximation), ``Q`` and the
+    step count. Into a trainer whose comm keeps no state it is dropped; a checkpoint
+    without it starts the error at zero; a saved ``Q`` that does not fit (another comm, or
+    another ``rank`` or ``min_compression``) is dropped and the trainer keeps its own.
+    ``info.comm`` says what happened (a warning on rank 0 where something was dropped).
+
     Example::
 
         info = torchshard.checkpoint.load("ckpt", trainer, optimizer=opt, fallback=True)
         start_step = info.step + 1
     """
-    t = Target(trainer)
+    t, comm_error = Target(trainer), check_comm_error(comm_error)
     given = Path(path_or_root)
     single, paths = _candidates(given, t) if fallback else (True, [given])
     if single or not paths:  # one checkpoint, or none to try: loaded, or its error as it is
-        got = _load_one(given, t, optimizer)
+        got = _load_one(given, t, optimizer, comm_error)
         if isinstance(got, _Refusal):
             raise CheckpointError(got.message)
         return got
     skipped: list[tuple[Path, str]] = []
     for i, path in enumerate(paths):
-        got = _load_one(path, t, optimizer)
+        got = _load_one(path, t, optimizer, comm_error)
         if isinstance(got, CheckpointInfo):
             return dataclasses.replace(got, skipped=tuple(skipped))
         skipped.append((path, got.reason))  # every rank refused it, and nothing changed
