@@ -274,9 +274,9 @@ def collect(
 ) -> tuple[Share, list[Copy], list[Copy]]:
     """This rank's share (the steps of the module docstring), and the copies that stage it
     into the host tensors ``carve`` hands out (``None``: the files are written straight
-    from the live tensors, for a save the caller waits for): the module buffers' copies,
-    then the others. Exchanged items are assembled here, by collectives, into host
-    tensors (``carve``'s, or new ones).
+    from the live tensors, for a save the caller waits for): the module buffers' and the
+    comm state's copies, then the others. Exchanged items are assembled here, by
+    collectives, into host tensors (``carve``'s, or new ones).
 
     Example::
 
@@ -292,7 +292,8 @@ def collect(
         segments = [(seg.start, seg.end) for seg in view.segments]
     plan = plan_share(layout, t.world, t.rank, segments)  # 2.
     items = _Items(t, plan, view, frozen)  # 3.
-    # the comm state is copied already (it changes at the next backward): staged whenever
+    # the comm state, copied already (its buffers change at the next backward): staged
+    # early, as those copies are freed once staged (on CUDA the stream waits for them)
     comm_items = [Item(name, x.shape, x.dtype, x) for name, x in comm.tensors]
     order = items.all() + comm_items
     if carve is not None:
@@ -335,5 +336,5 @@ def collect(
     for x in order:
         if x.host is not None and isinstance(x.fill, torch.Tensor):
             copies.append((x.host, x.fill))
-    n = len(items.buffers)  # they come first
-    return share, copies[:n], copies[n:]
+    n, k = len(items.buffers), len(copies) - len(comm_items)  # they come first, and last
+    return share, copies[:n] + copies[k:], copies[n:k]
