@@ -165,7 +165,7 @@ def read_comm(meta: Metadata, t: Target, readers: Readers, comm_error: str) -> C
         elif not (name == ERROR and comm_error == "reset"):
             tensors[name] = _read(meta, readers, t, name)
             loaded.append(
-                f"{name} (the mean over {meta.world_size} ranks)" if name == ERROR else name
+                f"{name} (the mean over {_ranks(meta.world_size)})" if name == ERROR else name
             )
     scalars = {n: v for n, v in saved.scalars.items() if n in live and live[n].dim() == 0}
     loaded += [f"{n}={v}" for n, v in scalars.items()]
@@ -181,6 +181,10 @@ def read_comm(meta: Metadata, t: Target, readers: Readers, comm_error: str) -> C
     if len(unfit) < len(kept):
         note += f"; kept this trainer's {', '.join(n for n in kept if n not in unfit)}"
     return CommRead(note, bool(dropped or kept), tensors, scalars, comm_error == "reset")
+
+
+def _ranks(n: int) -> str:
+    return "1 rank" if n == 1 else f"{n} ranks"
 
 
 def _shaping(settings: dict[str, object]) -> dict[str, object]:
