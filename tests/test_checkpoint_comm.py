@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -363,3 +364,27 @@ def test_comm_error_is_checked_before_anything(tmp_path):
     fm.bind(torch.empty(fm.numel, dtype=torch.float64))
     with pytest.raises(checkpoint.CheckpointError, match=r"comm_error: expected 'mean'.*'Mean'"):
         checkpoint.load(tmp_path, fm, comm_error="Mean")
+
+
+# -- the format pinned: a checkpoint of format 5 written when it was introduced -----------------
+GOLDEN_V5 = Path(__file__).resolve().parent / "golden" / "v5"
+
+
+def _golden_v5_as_today(root: str, out: str) -> None:
+    sys.path.insert(0, str(GOLDEN_V5))
+    from make import expected_after_load  # the same function that wrote the expectation
+
+    expected_after_load(root, out)
+
+
+def test_the_format_5_golden_loads_bitwise_as_the_code_that_wrote_it(tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(GOLDEN_V5 / "step-00000003", root / "step-00000003")
+    out = tmp_path / "today.safetensors"
+    run_distributed(_golden_v5_as_today, 1, str(root), str(out), timeout=60)
+    expected, today = load_file(GOLDEN_V5 / "expected.safetensors"), load_file(out)
+    assert sorted(expected) == sorted(today)
+    assert {"comm/error", "comm/powersgd_q", "comm/steps"} <= set(expected)
+    assert expected["comm/error"].any() and int(expected["comm/steps"]) == 3
+    for k in expected:
+        assert expected[k].dtype == today[k].dtype and torch.equal(expected[k], today[k]), k
