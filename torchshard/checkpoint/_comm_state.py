@@ -197,11 +197,11 @@ def _read(meta: Metadata, readers: Readers, t: Target, name: str) -> torch.Tenso
     (:func:`~._reads.whole_ranges`); an all-gather completes it (:func:`apply_comm`)."""
     assert meta.comm is not None
     dtype, numel = meta.comm.flat[name]
-    host = torch.zeros(numel, dtype=dtype)
+    held = {file: ranges[name] for file, ranges in meta.comm.files if name in ranges}
+    host = torch.empty(numel, dtype=dtype)  # the rest: the other ranks' parts, gathered
     for start, end in whole_ranges(t, numel):
         for file, a, b, at in meta.comm.pieces(name, start, end):
-            fs, fe = dict(meta.comm.files)[file][name]
-            readers.entry(file, name, dtype, (fe - fs,))
+            readers.entry(file, name, dtype, (held[file][1] - held[file][0],))
             readers[file].read_into(name, a, b, host[start + at : start + at + b - a])
     return host
 
