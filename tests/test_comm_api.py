@@ -187,3 +187,19 @@ def _alone() -> list[bool]:
 
 def test_a_world_of_one_takes_every_choice():
     assert run_distributed(_alone, 1, timeout=120) == [[True] * 6]
+
+
+def _different_comms() -> str:
+    comm = [PowerSGD(rank=4), PowerSGD(rank=2)][dist.get_rank()]
+    try:
+        DistributedTrainer(build(), comm=comm).close()
+    except torchshard.RankMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_that_pass_different_comms_are_refused_naming_them():
+    # another rank's PowerSGD would issue other collectives (other P and Q sizes): a hang
+    for message in run_distributed(_different_comms, 2, timeout=120):
+        assert "ranks [1] built their trainer with other options than rank 0" in message
+        assert "PowerSGD(rank=2" in message and "PowerSGD(rank=4" in message, message

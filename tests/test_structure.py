@@ -199,9 +199,20 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "checkpoint._plan",
         "checkpoint._rules",
     },
+    # a lossy comm's state: its metadata section (pure), then its save and load
+    "checkpoint._comm_meta": {"_flat.layout", "checkpoint._format", "checkpoint._rules"},
+    "checkpoint._comm_state": {
+        "_errors",
+        "_log",
+        "checkpoint._comm_meta",
+        "checkpoint._metadata",
+        "checkpoint._reads",
+        "checkpoint._target",
+    },
     "checkpoint._metadata": {
         "_errors",
         "_flat.layout",
+        "checkpoint._comm_meta",
         "checkpoint._format",
         "checkpoint._rules",
         "checkpoint._safetensors",
@@ -219,6 +230,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "_errors",
         "_flat.layout",
         "_log",
+        "checkpoint._comm_state",
         "checkpoint._format",
         "checkpoint._metadata",
         "checkpoint._optim",
@@ -243,6 +255,8 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
     "checkpoint._share": {
         "_errors",
         "_flat.hf",
+        "checkpoint._comm_meta",
+        "checkpoint._comm_state",
         "checkpoint._format",
         "checkpoint._optim",
         "checkpoint._plan",
@@ -273,6 +287,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
     "checkpoint._tools": {
         "_errors",
         "_flat.layout",
+        "checkpoint._comm_meta",
         "checkpoint._format",
         "checkpoint._metadata",
         "checkpoint._plan",

@@ -54,6 +54,10 @@ rank, at any world size and on the same global batches, continues as it would ha
 For TopK the mean error is an approximation (each rank's pick depends on its own error);
 ``reset_comm_error()`` is the other choice. The other comms keep no state: ``{}``.
 
+``torchshard.checkpoint.save`` writes this state (the mean error, ``Q``, ``steps``) and ``load``
+restores it at any world size (``comm_error="reset"`` starts the error at zero); a load into
+another comm says what it drops: ``docs/compression.md``, "Checkpoints".
+
 Example::
 
     import torchshard
