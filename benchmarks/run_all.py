@@ -5,12 +5,15 @@
     python benchmarks/run_all.py --results DIR [--allow-dirty]
 
 Runs bench_flat.py, bench_trainer.py, bench_sharded.py, bench_full.py, bench_hsdp.py,
-bench_checkpoint.py, scale.py, bench_lora.py and bench_mixed.py one after the other (each in
+bench_comm.py, bench_checkpoint.py, scale.py, bench_lora.py and bench_mixed.py one after the
+other (each in
 its own interpreter, with the step and round counts below, chosen so that the whole run fits
 in 15 minutes on the project's 2-core machine when nothing else runs there), writes ``run.json`` (this command, each script's wall time, the machine and
 commit), then ``python benchmarks/summary.py --write README.md benchmarks/README.md`` and
 checks the results against the code (``summary.py --stale``: each script records the SHA-256
-of every file it measures). Prints its wall time.
+of every file it measures). Prints its wall time. bench_convergence.py (15 runs of the example,
+longer than the whole budget) is not run here: ``--stale`` names its result when the code it
+ran changed, with its own command.
 
 The tables name the commit the results come from, so by default this refuses to run with
 uncommitted changes under torchshard/, examples/ or benchmarks/ (``--allow-dirty`` runs
@@ -56,6 +59,7 @@ SCRIPTS = {
         "--mem-pairs 1 --mem-steps 1 --reps 2 --warmup 1",
     ),
     "hsdp": ("bench_hsdp.py", "--steps 30 --warmup 3", "--steps 3 --warmup 1"),
+    "comm": ("bench_comm.py", "--steps 20 --warmup 2", "--steps 3 --warmup 1"),
     "checkpoint": (
         "bench_checkpoint.py",
         "--size-gb 1.0 --steps 10 --repeats 4 --train-repeats 4 --resume-repeats 4",

@@ -8,9 +8,10 @@
     python benchmarks/summary.py --results DIR ...                      # read DIR/*.json instead
 
 Reads flat.json (bench_flat.py), trainer.json (bench_trainer.py), sharded.json
-(bench_sharded.py), full.json (bench_full.py), hsdp.json (bench_hsdp.py), checkpoint.json
-(bench_checkpoint.py), scale.json (scale.py), lora.json (bench_lora.py), mixed.json
-(bench_mixed.py) and run.json (run_all.py: the command, its wall time) and prints one
+(bench_sharded.py), full.json (bench_full.py), hsdp.json (bench_hsdp.py), comm.json
+(bench_comm.py), checkpoint.json (bench_checkpoint.py), scale.json (scale.py), lora.json
+(bench_lora.py), mixed.json (bench_mixed.py), run.json (run_all.py: the command, its wall
+time) and convergence.json (bench_convergence.py, too slow for run_all.py) and prints one
 markdown table row per headline number (``rows/<benchmark>.py``): what kind of number it is
 (measured, paired, counted, computed), the result, its target and whether the target is met
 (``report/stats.py``: the median of the paired ratios, their spread, and "met" only when at
@@ -39,7 +40,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # report/ and rows/ si
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from report.freshness import MEASURES, stale
-from report.results import COMMAND, FILES, REPO, RESULTS, RUN, Results, load_results
+from report.results import COMMAND, FILES, REPO, RESULTS, RUN, SLOW, Results, load_results
 from report.table import NOT_MEASURED, Row, measured
 from report.table import table as render
 from rows import ROWS
@@ -55,6 +56,7 @@ __all__ = [
     "RESULTS",
     "ROWS",
     "RUN",
+    "SLOW",
     "Row",
     "load_results",
     "main",

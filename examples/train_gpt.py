@@ -40,6 +40,10 @@ continues the epoch exactly (docs/data.md).
     # nodes, say); its checkpoints resume at any world size, mesh or mode
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --shard --dp-replicate 2
 
+    # gradient compression on a slow link: PowerSGD of rank 4 (dense for the first 10 steps;
+    # also bf16, fp16, star, topk:0.01); the log shows the bytes sent per step
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --comm powersgd:4
+
     # two machines (the same command on each; HOST0 is one of them)
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \
         --rdzv-endpoint HOST0:29500 --rdzv-id my-run examples/train_gpt.py
@@ -69,6 +73,7 @@ import sys
 import time
 from pathlib import Path
 from pydoc_data.topics import topics
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -79,6 +84,7 @@ from gpt import GPT, GPTConfig, init_gpt_weights
 
 import torchshard
 import torchshard.checkpoint
+import torchshard.comm
 
 log = logging.getLogger("train_gpt")
 
@@ -212,6 +218,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--bf16", action="store_true", help="bf16 weights (with --shard: fp32 master)")
     p.add_argument(
+        "--comm",
+        type=comm_spec,
+        metavar="NAME[:ARG]",
+        help="how gradients travel (torchshard.comm): allreduce (today's exact mean), bf16\n"
+        "or fp16 (cast on the wire), star[:ROOT] (reduce to one rank, then broadcast),\n"
+        "powersgd[:RANK] (low rank, error feedback; dense for the first 10 steps),\n"
+        "topk[:RATIO] (the largest RATIO of each bucket, error feedback), topk-noef[:RATIO]\n"
+        "(the same without error feedback: an ablation); powersgd and topk need the\n"
+        "replicated mode (no --shard) (default: allreduce)",
+    )
+    p.add_argument(
         "--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)"
     )
     return p
@@ -228,7 +245,83 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if problem:
         with rank0_speaks():
             parser.error(f"argument --dp-replicate: {problem}")
+    if args.comm is not None:
+        try:  # torchshard checks the value (a rank >= 1, a ratio in (0, 1]) before any launch
+            args.comm_object = make_comm(args.comm)
+        except (torchshard.TorchShardError, ValueError, TypeError) as e:
+            with rank0_speaks():
+                parser.error(f"argument --comm: {e}")
     return args
+
+
+# --comm NAME[:ARG]: the torchshard.comm class, the keyword ARG sets and its type, and fixed
+# keywords
+COMMS = {
+    "allreduce": ("AllReduce", None, None, {}),
+    "bf16": ("BF16", None, None, {}),
+    "fp16": ("FP16", None, None, {}),
+    "star": ("Star", "root", int, {}),
+    "powersgd": ("PowerSGD", "rank", int, {}),
+    "topk": ("TopK", "ratio", float, {}),
+    "topk-noef": ("TopK", "ratio", float, {"error_feedback": False}),
+}
+
+
+class CommSpec(NamedTuple):
+    """``--comm NAME[:ARG]`` as given: its text, the name, the keywords it sets."""
+
+    text: str
+    name: str
+    kwargs: dict
+
+
+def comm_spec(text: str) -> CommSpec:
+    """Parse ``--comm NAME[:ARG]``: the syntax only (torchshard checks the value).
+
+    >>> comm_spec("powersgd:4").kwargs
+    {'rank': 4}
+    """
+    name, sep, arg = text.partition(":")
+    if name not in COMMS:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(COMMS)}, with :ARG where it takes one, got {text!r}"
+        )
+    _, key, kind, fixed = COMMS[name]
+    if not sep:
+        return CommSpec(text, name, dict(fixed))
+    if key is None:
+        raise argparse.ArgumentTypeError(f"{name} takes no argument, got {text!r}")
+    try:
+        value = kind(arg)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(
+            f"{name}:{key.upper()} must be {what}, got {text!r}"
+        ) from None
+    return CommSpec(text, name, {**fixed, key: value})
+
+
+def make_comm(spec: CommSpec):
+    """The ``torchshard.comm`` object ``spec`` names; raises what torchshard raises for a
+    value out of range."""
+    cls = COMMS[spec.name][0]
+    try:
+        return getattr(torchshard.comm, cls)(**spec.kwargs)
+    except TypeError as e:  # a keyword this torchshard does not take
+        call = ", ".join(f"{k}={v!r}" for k, v in spec.kwargs.items())
+        raise TypeError(f"{spec.text}: torchshard.comm.{cls}({call}): {e}") from e
+
+
+def fmt_bytes(n: float) -> str:
+    """``165.0 KiB``, ``3.2 MiB``.
+
+    >>> fmt_bytes(3 * 2**19)
+    '1.5 MiB'
+    """
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 def load_corpus() -> tuple[torch.Tensor, torch.Tensor]:
@@ -551,6 +644,7 @@ def main(argv: list[str] | None = None) -> float:
     if args.bucket_mb is None:
         args.bucket_mb = 25.0 if info.device.type == "cuda" else 1.0
     mesh = make_mesh(args.dp_replicate)
+    comm = {} if args.comm is None else {"comm": args.comm_object}
     try:
         trainer = torchshard.DistributedTrainer(
             fm,
@@ -559,10 +653,14 @@ def main(argv: list[str] | None = None) -> float:
             bucket_mb=args.bucket_mb,
             init_fn=init_gpt_weights,
             shard={None: False, "optimizer": True, "full": "full"}[args.shard],
+            **comm,
         )
     except torchshard.MeshError as e:  # a mode without hybrid sharding: every rank alike
         dist.barrier()
         raise SystemExit(f"--dp-replicate {args.dp_replicate}: {e}") from e
+    except torchshard.CommError as e:  # a comm this mode does not run: every rank alike
+        dist.barrier()
+        raise SystemExit(f"--comm {args.comm.text}: {e}") from e
     # the data-parallel ranks' parts of each global batch (under hybrid sharding: every rank)
     sampler, loader = make_loader(
         train,
@@ -610,6 +708,7 @@ def main(argv: list[str] | None = None) -> float:
     # Counted as the loop receives them (the workers draw ahead): what a checkpoint saves.
     batches = forever(sampler.track(loader))
     t_last, wait_last, n_logged, first_loss = time.perf_counter(), 0.0, 0, None
+    wire_last = (0, 0)  # --comm: bytes on the wire and their dense equivalent, at the last log
     t_start = t_last
     # The loss summed on the device since the last log, read (a host sync) only at log steps.
     loss_sum = torch.zeros(1, device=info.device)
@@ -643,13 +742,20 @@ def main(argv: list[str] | None = None) -> float:
             steps_done, n_logged = n_logged, 0
             tok_per_s = tokens_per_step * steps_done / (now - t_last)
             wait_ms = 1000 * (wait - wait_last) / steps_done
+            sent = ""
+            if args.comm is not None:  # what compression saves: this rank's payload per step
+                wire = (trainer.stats.payload_bytes, trainer.stats.bytes_reduced)
+                payload, dense = ((a - b) / steps_done for a, b in zip(wire, wire_last))
+                sent = f"  sent {fmt_bytes(payload)}/step (dense {fmt_bytes(dense)})"
+                wire_last = wire
             log.info(
-                "step %4d  loss %.4f  lr %.3g  %6.0f tok/s  comm wait %.1f ms/step",
+                "step %4d  loss %.4f  lr %.3g  %6.0f tok/s  comm wait %.1f ms/step%s",
                 step,
                 mean_loss,
                 lr,
                 tok_per_s,
                 wait_ms,
+                sent,
             )
             if metrics is not None:  # rounded as printed: no float noise in the file either
                 record = {

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torchshard import DistributedTrainer
 
 __all__ = [
+    "buckets_of",
     "gloo_collectives",
     "made_groups",
     "master_slice",
@@ -235,6 +236,17 @@ def reducer_of(trainer: DistributedTrainer) -> Any:
         assert isinstance(reducer_of(trainer).comm, AllReduce)
     """
     return trainer._reducer
+
+
+def buckets_of(trainer: DistributedTrainer) -> tuple[Any, ...]:
+    """The trainer's gradient buckets (``Bucket``: ``[start, end)`` of the gradient space,
+    ``index`` in launch order).
+
+    Example::
+
+        sizes = [b.end - b.start for b in buckets_of(trainer)]
+    """
+    return tuple(trainer._buckets)
 
 
 def replicated_grad_store(trainer: DistributedTrainer) -> torch.Tensor | None:

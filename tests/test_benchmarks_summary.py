@@ -28,6 +28,7 @@ def load_summary() -> ModuleType:
 
 
 summary = load_summary()  # puts benchmarks/ on sys.path: report/ and rows/ import from there
+import bench_convergence  # noqa: E402
 import bench_hsdp  # noqa: E402
 from report import freshness, stats  # noqa: E402
 
@@ -56,7 +57,7 @@ def test_top_level_readme_table_is_up_to_date() -> None:
 
 def test_every_row_is_measured_from_the_results() -> None:
     results = summary.load_results(summary.RESULTS)
-    assert set(results) == {*summary.FILES, summary.RUN}, f"run: {RUN_ALL}"
+    assert set(results) == {*summary.FILES, *summary.SLOW, summary.RUN}, f"run: {RUN_ALL}"
     for row in summary.ROWS:
         assert summary.measured(row, results)[0] != summary.NOT_MEASURED, row.what
 
@@ -66,7 +67,7 @@ def test_every_measured_path_names_files() -> None:
     for name, specs in summary.MEASURES.items():
         for spec in specs:
             assert freshness.expand(spec.removeprefix("!"), REPO), (name, spec)
-    assert tuple(summary.MEASURES) == summary.FILES
+    assert tuple(summary.MEASURES) == (*summary.FILES, *summary.SLOW)
 
 
 def test_each_benchmark_records_the_hashes_of_what_it_measures() -> None:
@@ -92,10 +93,10 @@ def test_benchmarks_read_no_private_state_of_torchshard_objects() -> None:
 # -- the table's mechanics -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("missing", summary.FILES)
+@pytest.mark.parametrize("missing", [*summary.FILES, *summary.SLOW])
 def test_missing_results_file_gives_not_measured_rows(missing: str, tmp_path: Path) -> None:
     full = summary.load_results(summary.RESULTS)
-    for name in summary.FILES:
+    for name in (*summary.FILES, *summary.SLOW):
         if name != missing and (summary.RESULTS / f"{name}.json").exists():
             shutil.copy(summary.RESULTS / f"{name}.json", tmp_path)
     partial = summary.load_results(tmp_path)
@@ -297,6 +298,122 @@ def test_cross_node_bytes_equal_a_hop_by_hop_ring() -> None:
     )
 
 
+# -- the compression rows ---------------------------------------------------------------------------
+
+
+def comm_results(
+    bf16: float = 0.5, powersgd: float = 1 / 20, root: tuple = (2.5, 4.0, 4.25)
+) -> dict:
+    """A comm.json whose payload per step over dense's is ``bf16`` and ``powersgd`` at 2
+    ranks, and whose Star root sends + receives ``root`` gradient buffers at 2, 3, 4 ranks
+    (every other number made up)."""
+    dense = 1 << 20
+    payload = {"dense": 1.0, "bf16": bf16, "fp16": 0.5, "powersgd": powersgd, "topk": 0.04,
+               "star": 2.0}  # fmt: skip
+    ratio = {"wall": [1.0] * 10, "cpu": [1.0] * 10}
+    worlds = {}
+    for world, names in ((2, payload), (3, ("dense", "star")), (4, payload)):
+        one = {"payload": 0, "dense": dense, "sent": dense, "received": dense, "constant": True}
+        worlds[str(world)] = {
+            "errors": {},
+            "bytes": {n: [dict(one, payload=payload[n] * dense)] * world for n in names},
+            "paired": {f"{n}.step / dense.step": ratio for n in names if n != "dense"},
+        }
+    computed = [
+        {"world": w, "comm": n, "gbit": g, "compute_s": 0.1, "step_s": 0.11, "vs_dense": 1.0}
+        for w in (2, 4) for n in payload if n != "fp16" for g in (10, 100)
+    ]  # fmt: skip
+    star = [
+        {"world": w, "root_sent": t - 1, "root_received": 1.0, "other_sent": 1.0,
+         "other_received": 1.0, "ring_sent": 1.0, "ring_received": 1.0, "server": w - 1}
+        for w, t in zip((2, 3, 4), root)
+    ]  # fmt: skip
+    return {
+        "comm": {
+            "worlds": worlds,
+            "computed": computed,
+            "star": star,
+            "example_steps": 300,
+            "example_start_step": 10,
+        }
+    }
+
+
+def test_the_bytes_row_judges_bf16_at_half_and_powersgd_at_15x_less() -> None:
+    what = row("bytes per step on the example GPT")
+    cell, verdict_cell = summary.measured(what, comm_results())
+    assert verdict_cell == "BF16: met; PowerSGD: met"
+    # 20x less per compressed step; the example's 300 steps, dense for 10: 300 / (10 + 290/20)
+    assert "PowerSGD 20.0x less" in cell and "dense for the first 10: 12.2x less" in cell, cell
+    assert summary.measured(what, comm_results(bf16=0.51))[1] == "BF16: missed; PowerSGD: met"
+    assert summary.measured(what, comm_results(powersgd=1 / 14.9))[1] == (
+        "BF16: met; PowerSGD: missed"
+    )
+    failed = comm_results()
+    failed["comm"]["worlds"]["2"]["errors"]["powersgd"] = "CommError: ..."
+    assert "failed at 2 ranks" in summary.measured(what, failed)[0]
+
+
+def test_the_star_row_is_met_only_where_the_roots_bytes_grow_with_every_rank() -> None:
+    what = row("`Star(root=0)` vs the ring")
+    cell, verdict_cell = summary.measured(what, comm_results())
+    assert verdict_cell == "met (2.50 < 4.00 < 4.25)"
+    assert "the root sends 1.50 / 3.00 / 3.25" in cell and "each way" in cell, cell
+    flat = comm_results(root=(2.5, 4.0, 4.0))
+    assert summary.measured(what, flat)[1] == "missed (2.50 < 4.00 < 4.00)"
+
+
+def convergence_results(losses: dict[str, list[float]]) -> dict:
+    """A convergence.json of these final validation losses, by comm and seed."""
+    seeds = [str(s) for s in range(len(losses["dense"]))]
+    runs = {
+        name: {s: {"val_loss": v, "curve": [[10, 5.0]]} for s, v in zip(seeds, vals)}
+        for name, vals in losses.items()
+    }
+    compare = bench_convergence.compare(runs)
+    return {"convergence": {"runs": runs, "seeds": seeds, "compare": compare, "total_s": 900}}
+
+
+def test_the_convergence_row_judges_every_seed_against_its_dense_twin() -> None:
+    what = row("final validation loss of the example")
+    dense = [2.0, 2.1, 2.2]
+    losses = {
+        "dense": dense,
+        "bf16": [d * 1.004 for d in dense],  # within 0.5% on every seed
+        "powersgd": [dense[0] * 1.01, dense[1] * 1.03, dense[2] * 0.99],  # one seed over 2%
+        "topk": [d * 1.02 for d in dense],
+        "topk_noef": [d * 1.05 for d in dense],
+    }
+    cell, verdict_cell = summary.measured(what, convergence_results(losses))
+    assert verdict_cell == (
+        "BF16: met (3 of 3 <= 0.5); PowerSGD: unclear (2 of 3 <= 2); TopK: met (3 of 3 <= 3); "
+        "TopK below no error feedback: met (3 of 3 <= 0)"
+    )
+    assert "BF16 +0.40% (+0.40 to +0.40)" in cell and "spread 9.52%" in cell, cell
+    # error feedback that does not help is seen
+    losses["topk_noef"] = [d * 1.01 for d in dense]
+    assert summary.measured(what, convergence_results(losses))[1].endswith(
+        "TopK below no error feedback: missed (0 of 3 <= 0)"
+    )
+    failed = convergence_results(losses)
+    failed["convergence"]["runs"]["topk_noef"]["1"] = {"error": "usage: ...", "wall_s": 3.0}
+    assert summary.measured(what, failed)[0] == (
+        "runs failed: topk_noef seed 1 (errors in `convergence.json`)"
+    )
+
+
+def test_convergence_compares_each_seed_with_the_dense_run_of_that_seed() -> None:
+    runs = {
+        "dense": {"0": {"val_loss": 2.0}, "1": {"val_loss": 4.0}},
+        "topk": {"0": {"val_loss": 2.02}, "1": {"val_loss": 4.0}},
+        "topk_noef": {"0": {"val_loss": 2.04}, "1": {"error": "..."}},
+    }
+    c = bench_convergence.compare(runs)
+    assert c["vs_dense"] == {"topk": {"0": 1.0, "1": 0.0}, "topk_noef": {"0": 2.0}}
+    assert c["ef_vs_noef"] == {"0": pytest.approx(100 * (2.02 - 2.04) / 2.04)}
+    assert c["dense_spread"] == pytest.approx(100 * 2.0 / 3.0)
+
+
 # -- freshness by content, on a scratch tree (no git: as in a tarball) --------------------------------
 
 
@@ -320,7 +437,8 @@ def tree(tmp_path: Path) -> Path:
 
 def measured_in(tree: Path) -> dict:
     """Results of every benchmark, measured on ``tree`` as it is now."""
-    return {name: {"measured": freshness.hashes(name, tree)} for name in summary.FILES}
+    names = (*summary.FILES, *summary.SLOW)
+    return {name: {"measured": freshness.hashes(name, tree)} for name in names}
 
 
 def stale_names(problems: list[str]) -> set[str]:
@@ -354,7 +472,8 @@ def test_the_fully_sharded_mode_is_measured_only_where_it_runs(tree: Path) -> No
     assert stale_names(freshness.stale(results, tree)) == full_mode
     write(tree, "torchshard/_parallel/x.py", "v2\n")  # the trainer core: every mode
     problems = freshness.stale(results, tree)
-    want = {"trainer", "sharded", "full", "hsdp", "checkpoint", "lora", "mixed"}
+    want = {"trainer", "sharded", "full", "hsdp", "comm", "checkpoint", "lora", "mixed"}
+    want |= {"convergence"}  # the example's runs, in the replicated mode
     assert stale_names(problems) == want, problems
 
 
@@ -388,22 +507,37 @@ def test_results_without_hashes_or_missing_are_stale(tree: Path) -> None:
     assert any("scale.json: records no hashes" in p for p in problems)
 
 
+def test_a_slow_result_names_its_own_command(tree: Path) -> None:
+    """convergence.json is not run_all.py's: a stale or missing one says what regenerates it."""
+    results = measured_in(tree)
+    write(tree, "benchmarks/bench_convergence.py", "v2\n")
+    (problem,) = freshness.stale(results, tree)
+    assert problem.startswith("convergence.json: the code it measures changed since: ")
+    assert problem.endswith("run python benchmarks/bench_convergence.py"), problem
+    del results["convergence"]
+    assert freshness.stale(results, tree) == [
+        "convergence.json: missing; run python benchmarks/bench_convergence.py"
+    ]
+
+
 def test_no_git_is_needed(tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     results = measured_in(tree)
     monkeypatch.setenv("PATH", str(tmp_path))  # no git on PATH; the tree is no repository
     assert freshness.stale(results, tree) == []
     write(tree, "examples/gpt.py", "v2\n")  # every benchmark of the example's GPT
     not_gpt = {"scale", "lora", "mixed"}
-    assert stale_names(freshness.stale(results, tree)) == set(summary.FILES) - not_gpt
+    every = {*summary.FILES, *summary.SLOW}
+    assert stale_names(freshness.stale(results, tree)) == every - not_gpt
 
 
 def test_stale_cli_exits_1_naming_each_result_and_0_when_fresh(tmp_path: Path) -> None:
-    for name in (*summary.FILES, summary.RUN):
+    for name in (*summary.FILES, *summary.SLOW, summary.RUN):
         (tmp_path / f"{name}.json").write_text(json.dumps({"machine": {"git_commit": None}}))
     cmd = [sys.executable, str(SCRIPT), "--stale", "--results", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert proc.returncode == 1
-    assert all(f"{name}.json: records no hashes" in proc.stderr for name in summary.FILES)
+    every = (*summary.FILES, *summary.SLOW)
+    assert all(f"{name}.json: records no hashes" in proc.stderr for name in every)
     for name, data in measured_in(REPO).items():  # measured on this very tree
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)

@@ -328,6 +328,86 @@ def test_train_gpt_refuses_a_dp_replicate_it_cannot_run(args, says, capsys):
     )
 
 
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("gzip", "expected one of allreduce, bf16, fp16, star, powersgd, topk"),
+        ("bf16:2", "bf16 takes no argument, got 'bf16:2'"),
+        ("powersgd:four", "powersgd:RANK must be an integer, got 'powersgd:four'"),
+        ("topk:1%", "topk:RATIO must be a number, got 'topk:1%'"),
+        ("powersgd:0", "rank"),  # torchshard's own check, before any launch
+        ("topk:1.5", "ratio"),
+        ("star:-1", "root"),
+    ],
+)
+def test_train_gpt_refuses_a_comm_it_cannot_build(value, says, capsys):
+    train_gpt = __import__("train_gpt")
+    with pytest.raises(SystemExit) as e:
+        train_gpt.parse_args(["--comm", value, "--ckpt-dir", ""])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --comm:" in err and says in err, err
+
+
+def test_train_gpt_builds_each_comm_by_name():
+    import torchshard.comm as comm
+
+    train_gpt = __import__("train_gpt")
+    built = {
+        text: train_gpt.parse_args(["--comm", text, "--ckpt-dir", ""]).comm_object
+        for text in (
+            *("allreduce", "bf16", "fp16", "star:1", "powersgd", "powersgd:8", "topk:0.1"),
+            "topk-noef:0.02",
+        )
+    }
+    assert built == {
+        "allreduce": comm.AllReduce(),
+        "bf16": comm.BF16(),
+        "fp16": comm.FP16(),
+        "star:1": comm.Star(root=1),
+        "powersgd": comm.PowerSGD(),
+        "powersgd:8": comm.PowerSGD(rank=8),
+        "topk:0.1": comm.TopK(ratio=0.1),
+        "topk-noef:0.02": comm.TopK(ratio=0.02, error_feedback=False),
+    }
+    assert train_gpt.parse_args(["--ckpt-dir", ""]).comm is None  # the default: no comm= at all
+
+
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def sent_per_step(text: str) -> dict[int, tuple[float, float]]:
+    """``step N ... sent X/step (dense Y)``: X and Y in bytes (as printed), by logged step."""
+    size = r"([\d.]+) (B|KiB|MiB|GiB)"
+    return {
+        int(m[1]): (float(m[2]) * UNITS[m[3]], float(m[4]) * UNITS[m[5]])
+        for m in re.finditer(rf"^step +(\d+) .* sent {size}/step \(dense {size}\)$", text, re.M)
+    }
+
+
+@pytest.mark.slow
+def test_train_gpt_compresses_with_powersgd_after_its_start_and_refuses_it_sharded(tmp_path):
+    """--comm powersgd:2 at 2 ranks: the first 10 synchronized steps all-reduce densely (the
+    log's payload equals the dense one), the last ones send less; a sharded run refuses it
+    with torchshard's reason, said once, before any step."""
+    two = ("--standalone", "--nproc-per-node", "2")
+    gpt = [*GPT, "--steps", "12", "--log-every", "2", "--ckpt-dir", ""]
+    text = run(torchrun(*two, TRAIN_GPT, *gpt, "--comm", "powersgd:2"))
+    assert "comm=PowerSGD(rank=2, start_step=10" in text, text  # the trainer's first line
+    sent = sent_per_step(text)
+    assert list(sent) == [2, 4, 6, 8, 10, 12], text
+    assert sent[2][0] == sent[2][1] > 0 and sent[10] == sent[2], sent  # dense up to step 10
+    assert 0 < sent[12][0] < sent[12][1] / 2 and sent[12][1] == sent[2][1], sent
+    losses = logged_losses(text)
+    assert losses[12] < losses[2], losses
+
+    code, text = launch(torchrun(*two, TRAIN_GPT, *gpt, "--comm", "powersgd:2", "--shard"))
+    assert code != 0, text
+    assert text.count("--comm powersgd:2:") == 1, text  # rank 0 says it
+    assert not re.search(r"^step +\d", text, re.M), text  # before any step
+    assert 'train_gpt.py", line' not in text, text
+
+
 def test_plot_metrics_draws_the_loss_curve(tmp_path):
     pytest.importorskip("matplotlib")
     import plot_metrics

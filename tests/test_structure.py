@@ -63,7 +63,20 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_parallel.modes",
         "_parallel.units",
     },
-    "_parallel.comm": {"_parallel.buckets"},
+    "_parallel.comm": {"_errors", "_parallel.buckets"},
+    # the comm choices (comm=): the one place they are named, and the comms they build
+    "_parallel.comms": {
+        "_parallel.buckets",
+        "_parallel.comm",
+        "_parallel.feedback",
+        "_parallel.powersgd",
+        "_parallel.star",
+        "_parallel.topk",
+    },
+    "_parallel.feedback": {"_parallel.comm"},
+    "_parallel.star": {"_parallel.buckets", "_parallel.comm"},
+    "_parallel.powersgd": {"_parallel.buckets", "_parallel.comm", "_parallel.feedback"},
+    "_parallel.topk": {"_parallel.buckets", "_parallel.comm", "_parallel.feedback"},
     # the device mesh: every group created on every rank in one order
     "_parallel.mesh": {"_dist", "_errors", "_parallel.comm"},
     "_parallel.seam": {"_flat.geometry", "_flat.module", "_parallel.comm", "_parallel.shards"},
@@ -74,6 +87,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_flat.module",
         "_parallel.buckets",
         "_parallel.comm",
+        "_parallel.comms",
         "_parallel.reducer",
         "_parallel.seam",
         "_parallel.setup",
@@ -156,6 +170,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_log",
         "_parallel.buckets",
         "_parallel.comm",
+        "_parallel.comms",
         "_parallel.mesh",
         "_parallel.mode",
         "_parallel.modes",
@@ -184,9 +199,20 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "checkpoint._plan",
         "checkpoint._rules",
     },
+    # a lossy comm's state: its metadata section (pure), then its save and load
+    "checkpoint._comm_meta": {"_flat.layout", "checkpoint._format", "checkpoint._rules"},
+    "checkpoint._comm_state": {
+        "_errors",
+        "_log",
+        "checkpoint._comm_meta",
+        "checkpoint._metadata",
+        "checkpoint._reads",
+        "checkpoint._target",
+    },
     "checkpoint._metadata": {
         "_errors",
         "_flat.layout",
+        "checkpoint._comm_meta",
         "checkpoint._format",
         "checkpoint._rules",
         "checkpoint._safetensors",
@@ -204,6 +230,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "_errors",
         "_flat.layout",
         "_log",
+        "checkpoint._comm_state",
         "checkpoint._format",
         "checkpoint._metadata",
         "checkpoint._optim",
@@ -228,6 +255,8 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
     "checkpoint._share": {
         "_errors",
         "_flat.hf",
+        "checkpoint._comm_meta",
+        "checkpoint._comm_state",
         "checkpoint._format",
         "checkpoint._optim",
         "checkpoint._plan",
@@ -258,6 +287,7 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
     "checkpoint._tools": {
         "_errors",
         "_flat.layout",
+        "checkpoint._comm_meta",
         "checkpoint._format",
         "checkpoint._metadata",
         "checkpoint._plan",
@@ -282,6 +312,7 @@ ROOT = {  # shared ground floor, and the tools above the wings
     "_exit": {"_log"},  # a clean exit: close every trainer, then the default group
     "_dist": {"_errors", "_exit", "_log"},
     "data": {"_errors"},
+    "comm": {"_parallel.comms"},  # the public face of the comm choices
     # torchshard estimate: a model on meta -> its estimate -> the table -> its command line
     "_estimate.model": {"_errors", "_flat.hf", "_flat.layout", "_flat.module", "_log"},
     "_estimate.trainable": {"_estimate.model"},  # what trains: LoRA (PEFT), name patterns

@@ -1,5 +1,6 @@
 """torchshard: data-parallel PyTorch training with one flat buffer of weights per device."""
 
+from . import comm as comm  # the comm choices and their state: torchshard.comm
 from ._dist import DistInfo, init_distributed
 from ._errors import (
     BindError,
@@ -14,6 +15,7 @@ from ._errors import (
 from ._flat.layout import FlatLayout, ParamSlot, Region
 from ._flat.module import FlatParamModule
 from ._log import set_log_ranks
+from ._parallel.comms import BF16, FP16, AllReduce, CommError, PowerSGD, Star, TopK
 from ._parallel.memory import RankMemory, plan_memory
 from ._parallel.mesh import Mesh, init_mesh
 from ._parallel.modes import FullShard, Replicate, ShardOptimizer
@@ -25,7 +27,11 @@ from .data import GlobalBatchSampler
 __version__ = "0.1.0"
 
 __all__ = [
+    "BF16",
+    "FP16",
+    "AllReduce",
     "BindError",
+    "CommError",
     "CommPlan",
     "CommStats",
     "DataError",
@@ -42,11 +48,14 @@ __all__ = [
     "Mesh",
     "MeshError",
     "ParamSlot",
+    "PowerSGD",
     "RankMemory",
     "RankMismatchError",
     "Region",
     "Replicate",
     "ShardOptimizer",
+    "Star",
+    "TopK",
     "TorchShardError",
     "UnwrittenBufferError",
     "__version__",

@@ -19,7 +19,7 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from .results import COMMAND, FILES, REPO, Results
+from .results import COMMAND, FILES, REPO, SLOW, Results
 
 _COMMON = ("benchmarks/_common.py", "examples/gpt.py")
 # What a trainer runs outside the parallel wing: the flat module, process group, exit, guards.
@@ -34,6 +34,7 @@ _TRAINER = (
 _BUCKET_MODES = (*_TRAINER, "torchshard/_parallel", "!torchshard/_parallel/full*")
 _ALL_MODES = (*_TRAINER, "torchshard/_parallel")
 _STEPS = "benchmarks/_interleaved.py"  # the DDP-paired stepping of bench_lora and bench_mixed
+_COMM = ("torchshard/comm.py",)  # the comms' public face (their code: torchshard/_parallel)
 
 # What each result measured: its own script, the library code it runs, the example model
 # and data it trains.
@@ -43,6 +44,8 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "sharded": ("benchmarks/bench_sharded.py", *_ALL_MODES, "examples/train_gpt.py", *_COMMON),
     "full": ("benchmarks/bench_full.py", *_ALL_MODES, *_COMMON),
     "hsdp": ("benchmarks/bench_hsdp.py", *_ALL_MODES, "examples/train_gpt.py", *_COMMON),
+    # the replicated mode's comms (torchshard.comm), on the example's model and data
+    "comm": ("benchmarks/bench_comm.py", *_BUCKET_MODES, *_COMM, "examples/train_gpt.py", *_COMMON),
     "checkpoint": (
         "benchmarks/bench_checkpoint.py",
         "torchshard/checkpoint",
@@ -62,6 +65,15 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "lora": ("benchmarks/bench_lora.py", *_ALL_MODES, "benchmarks/_common.py", _STEPS),
     # a transformers Llama in bf16 with fp32 norms (not hashed, as torch is not), every mode
     "mixed": ("benchmarks/bench_mixed.py", *_ALL_MODES, "benchmarks/_common.py", _STEPS),
+    # SLOW: the example's whole runs, without checkpoints (--ckpt-dir '')
+    "convergence": (
+        "benchmarks/bench_convergence.py",
+        *_BUCKET_MODES,
+        *_COMM,
+        "torchshard/data.py",
+        "examples/train_gpt.py",
+        *_COMMON,
+    ),
 }
 
 
@@ -128,27 +140,28 @@ def stale(results: Results, repo: Path = REPO) -> list[str]:
     """Why results are not known to be current, one line each (empty: every one is).
 
     A result is current when its ``measured`` hashes equal those of the same paths in
-    ``repo`` now. A missing file, or one that records no hashes, is stale too.
+    ``repo`` now. A missing file, or one that records no hashes, is stale too. Each line
+    names the command that regenerates the result (run_all.py, or :data:`SLOW`'s).
 
     >>> stale({"flat": {"measured": hashes("flat")}})[0]  # doctest: +ELLIPSIS
     'trainer.json: missing; run python benchmarks/run_all.py'
     """
     problems: list[str] = []
-    for name in FILES:
+    for name, command in [*((n, COMMAND) for n in FILES), *SLOW.items()]:
         if name not in results:
-            problems.append(f"{name}.json: missing; run {COMMAND}")
+            problems.append(f"{name}.json: missing; run {command}")
             continue
         recorded = results[name].get("measured")
         if not isinstance(recorded, dict) or not recorded:
             problems.append(
                 f"{name}.json: records no hashes of the code it measured (`measured`); "
-                f"run {COMMAND}"
+                f"run {command}"
             )
             continue
         changed = changes(recorded, hashes(name, repo))
         if changed:
             problems.append(
                 f"{name}.json: the code it measures changed since: {', '.join(changed)}; "
-                f"run {COMMAND}"
+                f"run {command}"
             )
     return problems

@@ -40,6 +40,11 @@ class Bucket:
     def numel(self) -> int:
         return self.end - self.start
 
+    @property
+    def elements(self) -> int:
+        """Elements of :meth:`view` (``numel`` in the buffer's units; fewer when typed)."""
+        return self.numel if self.dtype is None else self.numel // self.dtype.itemsize
+
 
 def plan_buckets(
     layout: FlatLayout, bucket_bytes: float, *, total: int | None = None, cuts: tuple[int, ...] = ()

@@ -18,11 +18,13 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from .._errors import TorchShardError
 from .buckets import Bucket
 
 __all__ = [
     "AllReduce",
     "BucketComm",
+    "CommError",
     "Mesh1D",
     "ReduceAcrossReplicas",
     "ReduceSpec",
@@ -31,6 +33,12 @@ __all__ = [
     "landed",
     "settled",
 ]
+
+
+class CommError(TorchShardError, ValueError):
+    """A ``comm=`` that cannot be used: a bad setting (``rank < 1``, ``ratio`` outside
+    (0, 1], ...), a mode or dtype it does not support (raised on every rank alike, when the
+    trainer is built), or compression state that does not fit (``load_comm_state``)."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,11 @@ class BucketComm(Protocol):
     also define ``flush() -> int``: the reducer calls it once the launches' futures
     completed; it finishes the second stage, waits for it, and returns the bytes it sent
     across replicas (see :class:`ReduceAcrossReplicas`).
+
+    Optional attributes the reducer reads: ``payload_bytes`` (bytes handed to collectives so
+    far, in the dtype they travelled in: ``trainer.stats.payload_bytes``), ``runs_alone``
+    (launch and flush in a world of one too: a lossy comm whose update must not depend on
+    the world size).
     """
 
     fuses_mask: ClassVar[bool]
@@ -230,12 +243,14 @@ class AllReduce:
 
     def __init__(self, mesh: Mesh1D) -> None:
         self.mesh = mesh
+        self.payload_bytes = 0
 
     def launch(self, view: torch.Tensor, spec: ReduceSpec, bucket: Bucket) -> Future[torch.Tensor]:
         """All-reduce ``view`` over the mesh by ``spec`` (in its dtype; back into ``view``)."""
         wire = spec.on_wire(view)
         spec.scale_before(wire)
         work = dist.all_reduce(wire, op=spec.op, group=self.mesh.group, async_op=True)
+        self.payload_bytes += bucket.elements * wire.element_size()  # the mask not counted
         return landed(work, wire, view)
 
 
@@ -258,6 +273,7 @@ class ReduceToOwner:
         self.mesh, self.owner, self.sink = mesh, owner, sink
         """``sink(bucket)``: where a bucket reduced in another dtype than the gradient's lands
         on its owner (the master gradient: no rounding to the gradient's dtype on the way)."""
+        self.payload_bytes = 0
 
     def launch(self, view: torch.Tensor, spec: ReduceSpec, bucket: Bucket) -> Future[torch.Tensor]:
         """Reduce ``view`` by ``spec`` to the group rank ``owner(bucket)``."""
@@ -266,6 +282,7 @@ class ReduceToOwner:
         owner = self.owner(bucket)
         dst = self.mesh.global_rank(owner)
         work = dist.reduce(wire, dst, op=spec.op, group=self.mesh.group, async_op=True)
+        self.payload_bytes += bucket.elements * wire.element_size()
         if owner != self.mesh.rank:
             return settled(work, view)  # nothing lands here
         dest = self.sink(bucket) if self.sink is not None and wire is not view else view
@@ -314,6 +331,7 @@ class ReduceAcrossReplicas(ReduceToOwner):
         owner = self.owner(bucket)
         dst = self.mesh.global_rank(owner)
         work = dist.reduce(wire, dst, op=spec.op, group=self.mesh.group, async_op=True)
+        self.payload_bytes += bucket.elements * wire.element_size()
         if owner == self.mesh.rank:
             dest = self.sink(bucket) if self.sink is not None and wire is not view else view
             self._reduced.append((work, wire, dest, spec))
@@ -329,6 +347,7 @@ class ReduceAcrossReplicas(ReduceToOwner):
             across = dist.all_reduce(wire, op=spec.op, group=group, async_op=True)
             self._across.append((across, wire, dest))
             self._sent += wire.numel() * wire.element_size()
+            self.payload_bytes += wire.numel() * wire.element_size()
 
     def flush(self) -> int:
         """Issue the remaining all-reduces, wait for every one, land each bucket; the bytes

@@ -23,7 +23,9 @@ from .._flat.geometry import Geometry
 from .._flat.layout import FlatLayout
 from .._flat.module import FlatParamModule
 from .buckets import Bucket, plan_buckets
-from .comm import AllReduce, BucketComm, Mesh1D, ReduceSpec
+from .comm import AllReduce, BucketComm, Mesh1D
+from .comms import AllReduce as AllReduceChoice
+from .comms import Comm, build_comm, comm_spec, lossless
 from .reducer import BucketReducer, mask_room
 from .seam import Context, GradSync, Segment
 from .setup import bind_buffers
@@ -31,6 +33,9 @@ from .shards import LocalShards
 from .units import Unit
 
 __all__ = ["Context", "Mode", "Segment", "clip_grad_norm", "summed_norm", "wire_gradients"]
+
+
+_DEFAULT = AllReduceChoice()
 
 
 def summed_norm(
@@ -123,6 +128,16 @@ class Mode:
     hybrid: bool = False
     """A sharded mode that can cut over a mesh's shard group and all-reduce the reduced cut
     across its replicas (``Context.shards``, ``Context.replicas``)."""
+    comm: Comm | None = None
+    """The ``comm=`` choice (:mod:`.comms`; ``None``: the default), set by the trainer
+    before :meth:`prepare`: how buckets travel, on top of :attr:`comm_type`."""
+    comm_kinds: frozenset[str] = frozenset({"dense"})
+    """The kinds of comm choice the mode takes (``AllReduce.kind``, ...)."""
+    comm_refusal: str = (
+        "this mode reduces gradients by its own schedule, not bucket by bucket through a "
+        "comm; leave comm= at its default, AllReduce()"
+    )
+    """Why the mode takes no other kinds (for the error)."""
     _fresh: bool = True  # prepare(): the module was not bound yet, the gradient gets mask room
     # (and is not bytes)
     _grad_store: torch.Tensor | None = None  # adopt(): [mask room | flat gradient], if any
@@ -136,7 +151,11 @@ class Mode:
     def fingerprint(self) -> str:
         """Compared across ranks before binding: ranks must agree on the buffers' shape (a
         bound module keeps its gradient buffer, which has no room for the mask)."""
-        return "m" if self._fresh and self.comm_type.fuses_mask else "-"
+        return "m" if self._fresh and self._fuses_mask() else "-"
+
+    def _fuses_mask(self) -> bool:
+        """The used-parameter mask may ride in a bucket: the comm is lossless."""
+        return self.comm_type.fuses_mask and lossless(self.comm)
 
     @torch.no_grad()
     def adopt(
@@ -156,7 +175,7 @@ class Mode:
         size = (cut or mesh).size
         n = self.flat_numel(fm.layout, size)
         grad_n = Geometry.of(fm.layout.grad_layout, size, pad=self.pads).total
-        fuse = self._fresh and mesh.size > 1 and self.comm_type.fuses_mask
+        fuse = self._fresh and mesh.size > 1 and self._fuses_mask()
         room = mask_room(fm.layout) if fuse else 0
         self._grad_store = bind_buffers(fm, n, device, init_fn, room, grad_n)
         if mesh.size > 1:
@@ -203,8 +222,10 @@ class Mode:
         return self.comm_type(ctx.mesh)  # type: ignore[call-arg]
 
     def grad_sync(self, ctx: Context, buckets: tuple[Bucket, ...]) -> GradSync:
-        """The trainer's gradient sync: the bucket reducer over :meth:`make_comm`."""
-        return BucketReducer(ctx, self, buckets, self.make_comm(ctx), self._grad_store)
+        """The trainer's gradient sync: the bucket reducer over :meth:`make_comm`, as the
+        comm choice builds on it."""
+        comm = build_comm(self.comm or _DEFAULT, ctx, buckets, self.make_comm(ctx))
+        return BucketReducer(ctx, self, buckets, comm, self._grad_store)
 
     # -- what the optimizer updates (UpdateShard) ----------------------------------------------
     def finish(self, ctx: Context) -> None:
@@ -293,8 +314,9 @@ def wire_gradients(
         ctx, buckets, sync = wire_gradients(mode, fm, mesh, device, params,
                                             25 * 2**20, native_mean(group, device))
     """
-    spec = ReduceSpec.of(
-        mesh.size, fm.dtypes, native, prefer_pre=mode.divides_first, wire=reduce_dtype
+    choice = mode.comm or _DEFAULT
+    spec = comm_spec(
+        choice, mesh.size, fm.dtypes, native, prefer_pre=mode.divides_first, wire=reduce_dtype
     )
     trainable = fm.layout.trainable
     # gradients, buckets and the optimizer's part live in the trainable slots' space

@@ -79,6 +79,8 @@ class BucketReducer:
         self._fused = store[: len(ctx.trainable)] if fuse and store is not None else None
         self._sent = False
         self._flush = getattr(comm, "flush", None)  # a two-stage comm's second stage
+        # a lossy comm runs in a world of one too: its update must not depend on the world
+        self._alone = bool(getattr(comm, "runs_alone", False))
         # The mask's own all-reduce, for comms whose buckets cannot carry it: persistent,
         # on the device, so filling it is a kernel and not a host-to-device copy.
         self._mask = torch.zeros(len(ctx.trainable), dtype=torch.int32, device=ctx.device)
@@ -120,9 +122,10 @@ class BucketReducer:
                 s = self.in_grad.get(i)
                 if s is not None and ctx.params[i].grad is None:
                     grad[s.offset : s.end].zero_()
-        if ctx.world_size > 1:
+        if ctx.world_size > 1 or self._alone:
             view = bucket.view(grad)
-            self.stats.bytes_reduced += view.numel() * view.element_size()
+            if ctx.world_size > 1:
+                self.stats.bytes_reduced += view.numel() * view.element_size()
             if self._store is not None and bucket.start == 0:
                 view = self._with_mask(bucket)
             self.futures.append(self.comm.launch(view, ctx.spec, bucket))
@@ -150,14 +153,13 @@ class BucketReducer:
             self.next += 1
         used = [ctx.params[i].grad is not None for i in ctx.trainable]
         everywhere = all(used)  # then the global mask is all ones: nothing to read back
+        if ctx.world_size == 1 and self._alone:
+            self._second_stage()
         if ctx.world_size > 1:
             t0 = time.perf_counter()
-            if self._flush is not None:
-                # The second stage first: its collectives precede the mask's on every rank,
-                # even where a replicate group is the data-parallel group (shard groups of 1).
-                for fut in self.futures:
-                    fut.wait()
-                self.stats.bytes_across_replicas += self._flush()
+            # The second stage first: its collectives precede the mask's on every rank,
+            # even where a replicate group is the data-parallel group (shard groups of 1).
+            self._second_stage()
             # Which parameters have a gradient anywhere: in a bucket already, or in one
             # small all-reduce, always issued last so the order is the same on every rank.
             if self._sent:
@@ -186,6 +188,14 @@ class BucketReducer:
         self.stats.launched_during_backward = self.launched_in_backward
         self.averaged = True
         self._reset_step()
+
+    def _second_stage(self) -> None:
+        """A two-stage comm's second stage (once every launch completed), and the bytes."""
+        if self._flush is not None:
+            for fut in self.futures:
+                fut.wait()
+            self.stats.bytes_across_replicas += self._flush()
+        self.stats.payload_bytes = getattr(self.comm, "payload_bytes", self.stats.bytes_reduced)
 
     def close(self) -> None:
         self.ctx.fm._set_grad_listener(None)

@@ -14,6 +14,7 @@ class Replicated(Mode):
     the used-parameter mask riding in the last bucket launched when the comm allows it."""
 
     divides_first = True  # as DDP: each bucket times 1/world as it launches, bitwise DDP's
+    comm_kinds = frozenset({"dense", "cast", "star", "compress"})
 
     def __init__(self, comm: type[BucketComm] = AllReduce) -> None:
         self.comm_type = comm

@@ -126,6 +126,13 @@ class CommStats:
     bytes_across_replicas: int = 0
     """Hybrid sharding: bytes of reduced gradient all-reduced across replicas (each owner's
     buckets, over its replicate group), at their full size; 0 without replicas."""
+    payload_bytes: int = 0
+    """Bytes of gradient that went on the wire since the trainer was built, as the comm sent
+    them (``comm=``, :mod:`torchshard.comm`): each buffer handed to a collective counted
+    once, at its size in the dtype it travelled in (an all-gather at its output: what each
+    rank sends and receives; a two-stage comm counts both stages). With the default comm,
+    :attr:`bytes_reduced` (plus :attr:`bytes_across_replicas`) in the dtype summed in;
+    ``BF16()`` half of a float32 model's; the used-parameter mask is not counted."""
 
 
 class Storage(Protocol):

@@ -133,8 +133,10 @@ def check_same_model(
         return ""
     layout = fm.layout
     buffers = [[n, list(b.shape), str(b.dtype)] for n, b in fm.module.named_buffers()]
+    # the trainer's choices that decide which collectives run: ranks that differ would hang
+    options = f"{type(mode).__name__} {mode.fingerprint()} comm={getattr(mode, 'comm', None)!r}"
     mine = layout.fingerprint() + hashlib.sha256(json.dumps(buffers).encode()).hexdigest()[:32]
-    mine += mode.fingerprint()
+    mine += hashlib.sha256(options.encode()).hexdigest()[:16]
     replies = exchange_bytes(f"{mine} {secrets.token_hex(8)}".encode(), group, device)
     everyone = [r.decode().split(" ")[0] for r in replies]
     bad = [r for r, fp in enumerate(everyone) if fp != everyone[src]]
@@ -142,11 +144,17 @@ def check_same_model(
         return replies[src].decode().split(" ")[1]
     # Every rank reaches this point (they all saw the same fingerprints), so
     # one more exchange, of the full descriptions, is safe.
-    desc = json.dumps({"layout": layout.to_dict(), "buffers": buffers}).encode()
-    descs = [json.loads(d) for d in exchange_bytes(desc, group, device)]
+    desc = json.dumps({"layout": layout.to_dict(), "buffers": buffers, "options": options})
+    descs = [json.loads(d) for d in exchange_bytes(desc.encode(), group, device)]
     first = bad[0]
     ref, other = (FlatLayout.from_dict(descs[r]["layout"]) for r in (src, first))
     diff = ref.first_difference(other)
+    if diff is None and descs[src]["buffers"] == descs[first]["buffers"]:
+        raise RankMismatchError(
+            f"ranks {bad} built their trainer with other options than rank {src}: "
+            f"{descs[first]['options']!r} vs {descs[src]['options']!r}; every rank must pass "
+            "the same shard=, comm= and mode options (they decide which collectives run)"
+        )
     if diff is None:
         diff = f"module buffers: {descs[src]['buffers']} vs {descs[first]['buffers']}"
     raise RankMismatchError(

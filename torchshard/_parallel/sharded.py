@@ -45,6 +45,12 @@ class ShardedOptimizer(Mode):
     pads = True
     comm_type = ReduceToOwner
     hybrid = True  # slices over a shard group, each reduced slice all-reduced across replicas
+    comm_kinds = frozenset({"dense", "cast", "star"})
+    comm_refusal = (
+        "its buckets are cut at slice boundaries, inside parameters, and each is reduced to "
+        "its slice's owner only; PowerSGD() and TopK() need whole parameters and the result "
+        "on every rank: use shard=False, or BF16()/FP16() to halve the bytes"
+    )
 
     def __init__(self, master_dtype: torch.dtype = torch.float32) -> None:
         self.master_dtype = master_dtype

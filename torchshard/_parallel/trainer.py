@@ -17,6 +17,7 @@ from .._flat.module import FlatParamModule
 from .._log import get_logger
 from .._stepped import allow, forbid, held_state_bytes
 from .comm import Mesh1D
+from .comms import Comm, check_comm, comm_state, load_comm_state, reset_comm_error
 from .mesh import Mesh, split_dp
 from .mode import Mode, Segment, clip_grad_norm, wire_gradients
 from .modes import Choice, choose, entry_for
@@ -97,6 +98,11 @@ class DistributedTrainer:
             ``torch.float32`` for a bf16 model: each bucket or unit travels in it, and
             lands in the fp32 master gradient where there is one, else back in the
             model's dtype, rounded once); ``None``: the gradients' own dtype.
+        comm: how gradient buckets travel, from :mod:`torchshard.comm`: ``AllReduce()``
+            (``None``, the default: the exact mean), ``BF16()``, ``FP16()``, ``Star()``
+            (``shard=False`` or ``True``), ``PowerSGD()``, ``TopK()`` (``shard=False``);
+            :attr:`comm` holds it, :attr:`stats` counts its ``payload_bytes``, and
+            :meth:`comm_state` is the state a lossy one keeps.
 
     Example::
 
@@ -128,6 +134,7 @@ class DistributedTrainer:
         prefetch: int = 1,
         reshard_after_forward: bool = True,
         reduce_dtype: torch.dtype | None = None,
+        comm: Comm | None = None,
     ) -> None:
         if not isinstance(fm, FlatParamModule):
             raise TorchShardError(
@@ -148,6 +155,7 @@ class DistributedTrainer:
         self.rank, self.world_size = self._mesh.rank, self._mesh.size
         if not 0 <= src < self.world_size:
             raise TorchShardError(f"src: expected a rank in [0, {self.world_size}), got {src}")
+        self.comm = self._mode.comm = _check_comm(comm, self, fm, reduce_dtype)
         self.module = fm
         self.mesh = mesh  # the Mesh given (None: process_group=)
         self.device = pick_device(fm, device, self._group)
@@ -187,15 +195,7 @@ class DistributedTrainer:
         self._optimizer: torch.optim.Optimizer | None = None
         self.group_names: list[list[str]] = []  # per param group of make_optimizer's optimizer
         self.stats = self._reducer.stats
-        logger.info(
-            "DistributedTrainer: rank %d of %d on %s, %d parameters in %d %s(s)",
-            self.rank,
-            self.world_size,
-            self.device,
-            layout.param_numel,
-            self.stats.buckets,
-            self._mode.reduces_by,
-        )
+        _log_start(self)
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
@@ -245,6 +245,26 @@ class DistributedTrainer:
             yield
         finally:
             self._reducer.sync = previous
+
+    def comm_state(self) -> dict[str, torch.Tensor]:
+        """The state :attr:`comm` keeps across steps, as named flat tensors (the live
+        buffers; ``{}`` for a comm that keeps none). See :mod:`torchshard.comm`.
+
+        Example::
+
+            saved = {k: v.clone() for k, v in trainer.comm_state().items()}
+            trainer.load_comm_state(saved)
+        """
+        return comm_state(self._reducer)
+
+    def load_comm_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy ``state`` (what :meth:`comm_state` returns, possibly another rank's or the
+        mean over ranks) into the comm's buffers; :class:`CommError` if it does not fit."""
+        load_comm_state(self._reducer, state)
+
+    def reset_comm_error(self) -> None:
+        """Zero the error feedback of a lossy :attr:`comm` (nothing for the others)."""
+        reset_comm_error(self._reducer)
 
     # -- other collectives ------------------------------------------------------------------
     @torch.no_grad()
@@ -593,6 +613,36 @@ class DistributedTrainer:
                 "the FlatParamModule was bound to another buffer after the trainer was created "
                 "(fm.bind(), fm.to(), ...); create the trainer after moving the model"
             )
+
+
+def _check_comm(
+    comm: object, t: DistributedTrainer, fm: FlatParamModule, reduce_dtype: torch.dtype | None
+) -> Comm:
+    """``comm=`` checked against the trainer's mode, group and dtypes (every rank alike)."""
+    mode = t._mode
+    return check_comm(
+        comm,
+        kinds=mode.comm_kinds,
+        refusal=mode.comm_refusal,
+        shard=t.shard,
+        replicas=1 if t._across is None else t._across.size,
+        world_size=t.world_size,
+        dtypes=fm.dtypes,
+        reduce_dtype=reduce_dtype,
+    )
+
+
+def _log_start(t: DistributedTrainer) -> None:
+    logger.info(
+        "DistributedTrainer: rank %d of %d on %s, %d parameters in %d %s(s), comm=%r",
+        t.rank,
+        t.world_size,
+        t.device,
+        t.module.layout.param_numel,
+        t.stats.buckets,
+        t._mode.reduces_by,
+        t.comm,
+    )
 
 
 def _not_full(mode: Mode, shard: object, what: str) -> None:

@@ -21,6 +21,7 @@ from ._plan import state_ranges, trainable_only, weight_runs
 from ._rules import ADVICE
 
 __all__ = [
+    "COMM_VERSION",
     "DENSE_VERSION",
     "FORMAT_VERSION",
     "INDEX",
@@ -29,6 +30,7 @@ __all__ = [
     "SPARSE_VERSION",
     "build_metadata",
     "check_save_args",
+    "comm_file",
     "commit",
     "complete_checkpoints",
     "fsync_dir",
@@ -52,11 +54,13 @@ __all__ = [
 # store the trainable parameters' state alone ("stored": "trainable"); only such checkpoints
 # say 3, the rest stay 2 (byte for byte what they were). 4: parameters of several dtypes (a
 # layout of format 2; optimizer state in one stream per key and parameter dtype: _streams);
-# only such checkpoints say 4.
-FORMAT_VERSION = 4
+# only such checkpoints say 4. 5: the compression state of a lossy comm ("comm", comm
+# files: _comm_meta); only such checkpoints say 5 (a reader of 4 would drop it silently).
+FORMAT_VERSION = 5
 DENSE_VERSION = 2
 SPARSE_VERSION = 3
 MIXED_VERSION = 4
+COMM_VERSION = 5
 METADATA = "metadata.json"
 INDEX = "model.safetensors.index.json"
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
@@ -84,6 +88,10 @@ def model_file(rank: int, world: int) -> str:
 
 def optim_file(rank: int, world: int) -> str:
     return f"optim-{rank + 1:05d}-of-{world:05d}.safetensors"
+
+
+def comm_file(rank: int, world: int) -> str:
+    return f"comm-{rank + 1:05d}-of-{world:05d}.safetensors"
 
 
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:

@@ -72,6 +72,7 @@ class CheckpointReport:
     warnings: list[str] = field(default_factory=list)  # not errors: e.g. an unprotected format
     dtypes: list[str] = field(default_factory=list)  # the parameters' dtypes, in layout order
     param_bytes: int = 0  # the parameters' bytes, each in its own dtype
+    comm: dict[str, Any] | None = None  # a lossy comm's state (format 5): class, sizes, steps
 
     @property
     def ok(self) -> bool:
@@ -98,6 +99,7 @@ class CheckpointReport:
             "tied": self.tied,
             "buffers": self.buffers,
             "optimizer": self.optimizer,
+            "comm": self.comm,
             "extra": self.extra,
             "files": [
                 {
@@ -137,7 +139,17 @@ def _expected_tensors(
                 parts = stream_parts(meta.layout, start, end, opt.trainable_only, s.param)
                 n = sum((b - a) // s.width for a, b, _ in parts)
                 want[file] += [(s.name, s.dtype, (n,))] if n else []
+    for file, ranges in meta.comm.files if meta.comm is not None else []:
+        for name, (a, b) in ranges.items():
+            want[file].append((name, meta.comm.flat[name][0], (b - a,)))
     return want
+
+
+def _comm_summary(meta: Metadata) -> dict[str, Any]:
+    """The compression state of ``meta``: the comm, its integers and each tensor's size."""
+    assert meta.comm is not None
+    flat = {n: {"dtype": dtype_name(d), "numel": k} for n, (d, k) in meta.comm.flat.items()}
+    return {"comm": str(meta.comm), "scalars": meta.comm.scalars, "flat": flat}
 
 
 def _verify_file(
@@ -289,6 +301,7 @@ def inspect_checkpoint(
         protected=meta.protected,
         dtypes=[dtype_name(d) for d in layout.dtypes],
         param_bytes=sum(s.numel * s.torch_dtype.itemsize for s in layout),
+        comm=None if meta.comm is None else _comm_summary(meta),
     )
     if not meta.protected:
         report.warnings.append(

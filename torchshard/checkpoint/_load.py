@@ -28,11 +28,13 @@ import torch.distributed as dist
 from .._errors import CheckpointError
 from .._flat.layout import dtype_from_name
 from .._log import get_logger
+from ._comm_state import apply_comm, check_comm_error, read_comm
 from ._format import METADATA, complete_checkpoints, resolve, saved_slots
 from ._metadata import Metadata, Readers, layout_difference, read_metadata
 from ._optim import MASTER, OptimizerView, group_problem, restore_group_values
 from ._plan import overlap
 from ._reads import (
+    BROADCAST_BACKENDS,
     Holding,
     Parts,
     gather_alike,
@@ -41,6 +43,7 @@ from ._reads import (
     live_weights,
     packed,
     read_state,
+    to_shards,
     weight_reads,
     whole_ranges,
     zero_gaps,
@@ -209,30 +212,6 @@ def _agree(t: Target, error: str | None, path: Path) -> _Refusal | None:
     return None
 
 
-# Backends whose all-gather goes through a temporary: gloo's all-gathers into a new tensor
-# of the whole output and copies it out (an extra pass over every byte, and its page faults:
-# at 1 GB saved at 2, 3x the CPU of the broadcasts it replaced), while its broadcast receives
-# in place. There the ranks' parts go by broadcast, all started at once.
-BROADCAST_BACKENDS = frozenset({"gloo"})
-
-
-def _to_shards(t: Target, view: OptimizerView | None = None) -> None:
-    """The flat buffer was loaded: the local shards' tensor, if one of its own, follows. With
-    parameters of several dtypes, each tensor the optimizers update (``view``'s, the
-    trainer's) that is not a view of the buffer (a master piece) is refreshed from it."""
-    flat = t.fm.flat_param
-    if flat is not None and t.fm.layout.mixed:
-        slots = t.fm.layout.slots
-        mine = [(s.slot, s.start, s.end, s.tensor) for s in view.segments] if view else []
-        for i, a, b, tensor in mine + t.own_segments():
-            weights = flat[a:b].view(slots[i].torch_dtype)
-            if tensor.data_ptr() != weights.data_ptr():
-                tensor.copy_(weights.view(tensor.shape))
-        return
-    if t.stripes is not None and flat is not None:
-        t.stripes.copy_from(flat)
-
-
 @torch.no_grad()
 def _apply(
     meta: Metadata, t: Target, share: _Read, optimizer: torch.optim.Optimizer | None
@@ -263,7 +242,7 @@ def _apply(
     if optimizer is None:
         for work in pending:
             work.wait()
-        _to_shards(t)
+        to_shards(t)
         return
     assert meta.optim is not None
     view = OptimizerView.of(optimizer, t)
@@ -287,7 +266,7 @@ def _apply(
         flat_state[stream] = (tensor, hold)
     for work in pending:  # the weights and the state, gathered at once
         work.wait()
-    _to_shards(t, view)  # a saved master, if any, overrides it below
+    to_shards(t, view)  # a saved master, if any, overrides it below
     segment = {id(seg.tensor): seg for seg in view.segments}
     scalars, stateful = meta.optim.scalar_state, meta.optim.stateful
     rules = meta.optim.rules
@@ -358,11 +337,11 @@ def _candidates(given: Path, t: Target) -> tuple[bool, list[Path]]:
 
 
 def _load_one(
-    given: Path, t: Target, optimizer: torch.optim.Optimizer | None
+    given: Path, t: Target, optimizer: torch.optim.Optimizer | None, comm_error: str
 ) -> CheckpointInfo | _Refusal:
     """Load the checkpoint ``given`` (or the latest under it), or say why every rank refused
     it, having changed nothing: see :func:`load`."""
-    error, share, path = None, None, given
+    error, share, path, comm = None, None, given, None
     readers = None
     try:
         path = resolve(path)
@@ -370,6 +349,7 @@ def _load_one(
         _check_compatible(meta, t, optimizer)
         readers = Readers(meta)
         share = _read_share(meta, t, optimizer, readers)
+        comm = read_comm(meta, t, readers, comm_error)  # the compression state: _comm_state
     except CheckpointError as e:
         error = str(e)
     except OSError as e:
@@ -393,6 +373,7 @@ def _load_one(
     assert share is not None
     try:
         _apply(meta, t, share, optimizer)
+        note = apply_comm(t, comm)
         t.after_load()  # e.g. units gathered now hold the old weights
     except Exception as e:  # everything was checked: a bug, or a peer lost mid-way
         raise CheckpointError(
@@ -400,7 +381,9 @@ def _load_one(
             f"({type(e).__name__}: {e}); the model and optimizer may be partly loaded: "
             "load again, and please report this"
         ) from e
-    return CheckpointInfo(meta.step, meta.extra, path, readers.bytes_read if readers else 0)
+    return CheckpointInfo(
+        meta.step, meta.extra, path, readers.bytes_read if readers else 0, comm=note
+    )
 
 
 def load(
@@ -409,6 +392,7 @@ def load(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     fallback: bool = False,
+    comm_error: str = "mean",
 ) -> CheckpointInfo:
     """Load a checkpoint into ``trainer`` (and ``optimizer``), at any world size.
 
@@ -430,22 +414,30 @@ def load(
     ``path_or_root`` that is one checkpoint directory is loaded or refused
     as without ``fallback``.
 
+    The compression state of a lossy comm (``PowerSGD``, ``TopK``) is loaded on every
+    rank at any world size: the mean of the saved ranks' error feedback (``comm_error=
+    "reset"``: zero instead; for ``TopK`` the mean is an approximation), ``Q`` and the
+    step count. Into a trainer whose comm keeps no state it is dropped; a checkpoint
+    without it starts the error at zero; a saved ``Q`` that does not fit (another comm, or
+    another ``rank`` or ``min_compression``) is dropped and the trainer keeps its own.
+    ``info.comm`` says what happened (a warning on rank 0 where something was dropped).
+
     Example::
 
         info = torchshard.checkpoint.load("ckpt", trainer, optimizer=opt, fallback=True)
         start_step = info.step + 1
     """
-    t = Target(trainer)
+    t, comm_error = Target(trainer), check_comm_error(comm_error)
     given = Path(path_or_root)
     single, paths = _candidates(given, t) if fallback else (True, [given])
     if single or not paths:  # one checkpoint, or none to try: loaded, or its error as it is
-        got = _load_one(given, t, optimizer)
+        got = _load_one(given, t, optimizer, comm_error)
         if isinstance(got, _Refusal):
             raise CheckpointError(got.message)
         return got
     skipped: list[tuple[Path, str]] = []
     for i, path in enumerate(paths):
-        got = _load_one(path, t, optimizer)
+        got = _load_one(path, t, optimizer, comm_error)
         if isinstance(got, CheckpointInfo):
             return dataclasses.replace(got, skipped=tuple(skipped))
         skipped.append((path, got.reason))  # every rank refused it, and nothing changed

@@ -95,6 +95,7 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer | None = None,
         path: str | os.PathLike[str] | None = None,
         fallback: bool = False,
+        comm_error: str = "mean",
     ) -> CheckpointInfo:
         """Load ``path`` or the latest complete checkpoint (see :func:`load`).
 
@@ -106,11 +107,12 @@ class Checkpointer:
         Once an older checkpoint has loaded, rank 0 renames each skipped one under this
         Checkpointer's root to ``step-N.bad`` (kept, never deleted): the run will save
         those steps again, and a later restart need not read them again. If none loads,
-        nothing is renamed.
+        nothing is renamed. ``comm_error``: what to do with a saved error feedback (see
+        :func:`load`).
         """
         self._writer.settle()
         where = self.root if path is None else path
-        info = load(where, trainer, optimizer=optimizer, fallback=fallback)
+        info = load(where, trainer, optimizer=optimizer, fallback=fallback, comm_error=comm_error)
         if info.skipped and getattr(trainer, "rank", 0) == 0:
             for bad, _ in info.skipped:
                 if Path(bad).parent.resolve() == self.root.resolve():

@@ -14,6 +14,7 @@ import torch
 
 from .._errors import CheckpointError, LayoutError
 from .._flat.layout import FlatLayout, dtype_name
+from ._comm_meta import CommMeta, parse_comm
 from ._format import FORMAT_VERSION, METADATA, MIXED_VERSION, step_of, unseal
 from ._rules import (
     ADVICE,
@@ -216,6 +217,7 @@ class Metadata:
     )
     protected: bool = True  # metadata.json carries a checksum (format 2 on), and it matched
     index: dict[str, Any] | None = None  # size and SHA-256 of model.safetensors.index.json
+    comm: CommMeta | None = None  # a lossy comm's state (format 5), when saved with one
 
     def file_path(self, name: str) -> Path:
         return self.path / name
@@ -339,13 +341,16 @@ def _parse(path: Path, raw: dict[str, Any], protected: bool) -> Metadata:
         model_config=model_config,
         protected=protected,
         index=index,
+        comm=parse_comm(raw.get("comm"), layout, raw["format_version"]),
     )
     _coverage(meta)
-    shards = max(len(weights), len(optim.files) if optim is not None else 0)
+    comm = [f for f, _ in meta.comm.files] if meta.comm is not None else []
+    shards = max(len(weights), len(optim.files) if optim is not None else 0, len(comm))
     if world < shards:
         raise Invalid("world_size", f"at least {shards} (one file per saving rank)", world)
     referenced = [w["file"] for w in weights] + list(buffers.values())
     referenced += [f for f, _, _ in optim.files] if optim is not None else []
+    referenced += comm
     missing = sorted(set(referenced) - set(files))
     if missing:
         raise Invalid("files", f"a size/checksum record for {missing}", sorted(files))

@@ -33,7 +33,16 @@ import torch.distributed as dist
 
 from .._errors import CheckpointError
 from .._log import get_logger
-from ._format import check_save_args, commit, model_file, optim_file, prepare, rotate, tmp_dir
+from ._format import (
+    check_save_args,
+    comm_file,
+    commit,
+    model_file,
+    optim_file,
+    prepare,
+    rotate,
+    tmp_dir,
+)
 from ._rendezvous import Rendezvous
 from ._safetensors import FileRecord
 from ._safetensors_writer import DirectBlock, SafetensorsWriter, write_safetensors
@@ -293,6 +302,9 @@ def _write_files(
                     else:
                         out.write_tensor(piece)
             records[name] = out.finish()
+    if share.comm:  # this rank's ranges of the compression state (_comm_meta)
+        name = comm_file(t.rank, t.world)
+        records[name] = write_safetensors(tmp / name, share.comm, direct=direct)
     return {k: v.to_dict() for k, v in records.items()}
 
 

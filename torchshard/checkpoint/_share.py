@@ -30,6 +30,8 @@ import torch
 
 from .._errors import CheckpointError
 from .._flat.hf import transformers_config
+from ._comm_meta import with_comm
+from ._comm_state import snapshot_comm
 from ._format import build_metadata, step_dir
 from ._optim import OptimizerView
 from ._plan import Piece, SharePlan, plan_share, stored_parts
@@ -79,6 +81,8 @@ class Share:
     # per stream (its tensor's name): its dtype and its pieces in order (a tensor, or a
     # count of zero elements)
     optim: list[tuple[str, torch.dtype, list[torch.Tensor | int]]] = field(default_factory=list)
+    # the compression state: this rank's range of each flat tensor, by name (_comm_state)
+    comm: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     metadata: dict[str, Any] | None = None  # rank 0 only, without "files"
     buffer_bytes: int = 0
 
@@ -270,9 +274,9 @@ def collect(
 ) -> tuple[Share, list[Copy], list[Copy]]:
     """This rank's share (the steps of the module docstring), and the copies that stage it
     into the host tensors ``carve`` hands out (``None``: the files are written straight
-    from the live tensors, for a save the caller waits for): the module buffers' copies,
-    then the others. Exchanged items are assembled here, by collectives, into host
-    tensors (``carve``'s, or new ones).
+    from the live tensors, for a save the caller waits for): the module buffers' and the
+    comm state's copies, then the others. Exchanged items are assembled here, by
+    collectives, into host tensors (``carve``'s, or new ones).
 
     Example::
 
@@ -282,12 +286,16 @@ def collect(
     layout = t.fm.layout
     view = OptimizerView.of(optimizer, t) if optimizer is not None else None
     scalars = view.agree(t) if view is not None else ({}, "")  # 1. a collective when sharded
+    comm = snapshot_comm(t)  # and the mean error of a lossy comm: an all-reduce
     segments = None
     if view is not None and view.streams:
         segments = [(seg.start, seg.end) for seg in view.segments]
     plan = plan_share(layout, t.world, t.rank, segments)  # 2.
     items = _Items(t, plan, view, frozen)  # 3.
-    order = items.all()
+    # the comm state, copied already (its buffers change at the next backward): staged
+    # early, as those copies are freed once staged (on CUDA the stream waits for them)
+    comm_items = [Item(name, x.shape, x.dtype, x) for name, x in comm.tensors]
+    order = items.all() + comm_items
     if carve is not None:
         for item, host in zip(order, carve([(x.shape, x.dtype, x.align) for x in order])):
             item.host = host
@@ -312,13 +320,15 @@ def collect(
         share.buffer_bytes += item.host.numel() * item.host.element_size()
     for key, dtype, pieces in items.optim:
         share.optim.append((key, dtype, [x if isinstance(x, int) else x.host for x in pieces]))
+    share.comm = [(x.name, x.host) for x in comm_items if x.host is not None]
     if t.rank == 0:
         optim_meta = view.metadata(scalars) if view is not None else None
         # as save_pretrained: the first parameter's dtype (of several: the model's dtype)
         config = transformers_config(t.fm.module, layout.dtypes[0])
         buffers = [name for name, _ in items.buffers]
-        share.metadata = build_metadata(
-            layout, t.world, step, buffers, optim_meta, extra, config, frozen
+        share.metadata = with_comm(
+            build_metadata(layout, t.world, step, buffers, optim_meta, extra, config, frozen),
+            comm.section,
         )
     if carve is None:  # written from the live tensors: nothing to copy
         return share, [], []
@@ -326,5 +336,5 @@ def collect(
     for x in order:
         if x.host is not None and isinstance(x.fill, torch.Tensor):
             copies.append((x.host, x.fill))
-    n = len(items.buffers)  # they come first
-    return share, copies[:n], copies[n:]
+    n, k = len(items.buffers), len(copies) - len(comm_items)  # they come first, and last
+    return share, copies[:n] + copies[k:], copies[n:k]

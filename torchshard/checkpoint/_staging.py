@@ -2,9 +2,10 @@
 ``optimizer.step()`` wait for the copies, and the CPU and CUDA ways of copying.
 
 A :class:`Stager` starts a save's copies (``early``: the module buffers, which
-forward changes, then ``late``: the rest) and returns a :class:`Staged` whose
-``wait()`` the writer thread calls before it writes. Three stagers, chosen per
-save (DCP's ``AsyncStager`` in three small policies):
+forward changes, and a lossy comm's state, a copy taken at the save; then ``late``:
+the rest) and returns a :class:`Staged` whose ``wait()`` the writer thread calls
+before it writes. Three stagers, chosen per save (DCP's ``AsyncStager`` in three
+small policies):
 
 - :class:`CudaStager`: every copy enqueued on a side stream; the current stream
   waits for the early copies (with an optimizer: its step waits for the rest, on
@@ -204,8 +205,9 @@ def _stage_cuda(
     """Enqueue staging copies on a side stream, after the work queued so far on the
     current stream (they read what it writes); ``first``, then ``rest``. Returns the events
     that mark ``first`` done (``None`` if empty) and all of them done. Nothing here makes
-    the current stream wait: the caller decides. The sources are persistent tensors
-    (weights, buffers, optimizer state) that outlive the copies: no ``record_stream``."""
+    the current stream wait: the caller decides. The sources of ``rest`` are persistent
+    tensors (weights, optimizer state) that outlive the copies: no ``record_stream``; a
+    temporary goes in ``first``, which the current stream waits for (:class:`CudaStager`)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     first_done = None
@@ -305,7 +307,9 @@ class CudaStager:
     the module buffers: the current stream waits for their (small) copies at once. With an
     optimizer (``fenced``) only its step waits for the rest (a GPU-side wait in its step
     pre-hook); without one nothing says when the weights change, so the current stream
-    waits for every copy (still on the GPU: the host goes on).
+    waits for every copy (still on the GPU: the host goes on). An early copy's source may
+    be a temporary (a lossy comm's state, copied at the save): the current stream waits
+    for it before it can reuse that memory.
 
     Example::
 

@@ -50,6 +50,10 @@ class CheckpointInfo:
     skipped: tuple[tuple[Path, str], ...] = ()
     """``(path, why)`` of each checkpoint a load with ``fallback=True`` skipped, newest first;
     the same on every rank."""
+    comm: str = ""
+    """What the load did with the compression state of a lossy comm (``PowerSGD``, ``TopK``):
+    loaded, dropped (a dense trainer), started at zero (a checkpoint without it), in words;
+    ``""`` when neither the checkpoint nor the trainer keeps any. See ``docs/compression.md``."""
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,13 @@ import torch
 
 from .._errors import ArgumentError, CheckpointError
 from .._flat.layout import FlatLayout
+from ._comm_meta import CommMeta, comm_ranges
 from ._format import (
+    COMM_VERSION,
     DENSE_VERSION,
     MIXED_VERSION,
     SPARSE_VERSION,
+    comm_file,
     commit,
     fsync_dir,
     holds_frozen,
@@ -292,8 +295,8 @@ def reshard(
     """Rewrite the checkpoint at ``path`` as if saved at ``world_size``, as ``out_root/step-N``.
 
     Model files are re-split with :func:`weight_shards`, optimizer files with
-    the geometry's state ranges; everything else in ``metadata.json`` carries
-    over. Streams block by block, verifying checksums, into
+    the geometry's state ranges, a lossy comm's state (the comm files) in equal
+    ranges; everything else in ``metadata.json`` carries over. Streams block by block, verifying checksums, into
     ``out_root/.tmp-step-N``; ``metadata.json`` is written last and the
     rename commits. Returns the new checkpoint directory.
 
@@ -348,6 +351,9 @@ def reshard(
                 state = [_resharded_stream(layout, opt, s, start, end) for s in opt.streams]
                 state = [x for x in state if x.shape[0]]  # none of its dtype here: no tensor
                 plan.append((optim_file(r, world), state, {"range": f"{start},{end}"}))
+            comm = _resharded_comm(meta.comm, r, world) if meta.comm is not None else []
+            if comm:
+                plan.append((comm_file(r, world), comm, None))
         progress.start(
             f"reshard {meta.path.name} to world size {world}",
             sum(t.nbytes for _, ts, _ in plan for t in ts),
@@ -396,6 +402,18 @@ def _resharded_stream(
     return _OutTensor(stream.name, stream.dtype, (n,), tuple(piece for _, piece in pieces))
 
 
+def _resharded_comm(comm: CommMeta, rank: int, world: int) -> list[_OutTensor]:
+    """What a new comm file of rank ``rank`` of ``world`` holds: its :func:`comm_ranges` of
+    each flat tensor of the compression state, from the old files' ranges."""
+    out = []
+    for name, (dtype, numel) in comm.flat.items():
+        a, b = comm_ranges(numel, world)[rank]
+        if b > a:
+            pieces = tuple(_Piece(f, name, x, y) for f, x, y, _ in comm.pieces(name, a, b))
+            out.append(_OutTensor(name, dtype, (b - a,), pieces))
+    return out
+
+
 def _resharded_metadata(
     meta: Metadata, world: int, shards: list[tuple[int, int]], ranges: list[tuple[int, int]]
 ) -> dict[str, Any]:
@@ -407,6 +425,8 @@ def _resharded_metadata(
     sparse = sparse or not holds_frozen(meta.raw)
     version = SPARSE_VERSION if sparse else DENSE_VERSION
     raw["format_version"] = MIXED_VERSION if meta.layout.mixed else version
+    if meta.comm is not None:  # the compression state, re-split as the optimizer's
+        raw["format_version"], raw["comm"] = COMM_VERSION, meta.comm.to_json(world)
     raw["world_size"] = world
     shard_list = [
         {"file": model_file(r, world), "slots": [a, b]} for r, (a, b) in enumerate(shards) if b > a

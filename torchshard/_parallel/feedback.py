@@ -1,0 +1,97 @@
+"""Error feedback: what a lossy comm did not send, kept for the next step, and the state of
+such a comm as named flat tensors (``trainer.comm_state()``; see :mod:`torchshard.comm`)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch.futures import Future
+
+from .comm import CommError
+
+__all__ = ["ErrorFeedback", "done"]
+
+
+def done(result: torch.Tensor) -> Future[torch.Tensor]:
+    """A future already completed with ``result`` (nothing to wait for: a world of one).
+
+    Example::
+
+        done(view).wait() is view
+    """
+    fut: Future[torch.Tensor] = Future()
+    fut.set_result(result)
+    return fut
+
+
+class ErrorFeedback:
+    """A lossy bucket comm's state: ``error``, one flat buffer laid out like the gradient
+    space (``fm.layout.grad_layout``: only what trains), in the gradient's dtype, and
+    ``steps``, the synchronized steps so far. Subclasses add their own named tensors
+    (:meth:`extra_state`).
+
+    A lossy comm runs in a world of one too (``runs_alone``): its update must not depend on
+    the world size, so that a run resumes at any world size on the same global batches.
+    """
+
+    runs_alone: ClassVar[bool] = True
+    fuses_mask: ClassVar[bool] = False  # the used-parameter mask never rides a lossy wire
+
+    def __init__(self, ctx: Any) -> None:
+        self.mesh = ctx.mesh
+        self.error = torch.zeros_like(ctx.grad)
+        """This rank's error feedback: what it did not send, by gradient-space offset."""
+        self.steps = 0
+        """Synchronized steps (flushes) so far."""
+        self.payload_bytes = 0
+        """Bytes handed to collectives so far (an all-gather: its output, what each rank
+        sends and receives)."""
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        """The subclass's own state tensors, by name (live buffers)."""
+        return {}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """``{"error": ..., "steps": ..., **extra_state()}``: the live buffers, and the step
+        count as a new 0-d int64 tensor.
+
+        Example::
+
+            saved = {k: v.clone() for k, v in comm.state().items()}
+        """
+        steps = torch.tensor(self.steps, dtype=torch.int64)
+        return {"error": self.error, "steps": steps, **self.extra_state()}
+
+    @torch.no_grad()
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy ``state`` (as :meth:`state` returns it: the same names and sizes; any dtype
+        or device) into the buffers; :class:`CommError` naming what does not fit.
+
+        Example::
+
+            comm.load_state(saved)
+        """
+        mine = self.state()
+        if set(state) != set(mine):
+            raise CommError(
+                f"load_comm_state: expected the tensors {sorted(mine)}, got {sorted(state)}; "
+                "pass what comm_state() returns for this comm (reset_comm_error() starts the "
+                "error afresh instead)"
+            )
+        for name, t in state.items():
+            if not isinstance(t, torch.Tensor) or t.numel() != mine[name].numel():
+                got = f"{t.numel()} elements" if isinstance(t, torch.Tensor) else repr(t)
+                raise CommError(
+                    f"load_comm_state: {name!r}: expected a tensor of {mine[name].numel()} "
+                    f"elements, got {got}; the state of another model or comm setting?"
+                )
+        for name, t in state.items():
+            if name == "steps":
+                self.steps = int(t.reshape(()).item())
+            else:
+                mine[name].copy_(t.reshape(mine[name].shape))
+
+    def reset_error(self) -> None:
+        """Forget what was not sent: zero the error feedback."""
+        self.error.zero_()
