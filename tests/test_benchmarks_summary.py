@@ -473,8 +473,15 @@ def test_the_fully_sharded_mode_is_measured_only_where_it_runs(tree: Path) -> No
     write(tree, "torchshard/_parallel/x.py", "v2\n")  # the trainer core: every mode
     problems = freshness.stale(results, tree)
     want = {"trainer", "sharded", "full", "hsdp", "comm", "checkpoint", "lora", "mixed"}
-    want |= {"convergence"}  # the example's runs, in the replicated mode
-    assert stale_names(problems) == want, problems
+    assert stale_names(problems) == want, problems  # not the convergence runs: see below
+
+
+def test_the_convergence_runs_hold_the_comms_path_not_the_whole_trainer(tree: Path) -> None:
+    results = measured_in(tree)
+    write(tree, "torchshard/_parallel/trainer.py", "v2\n")  # held bitwise by the tests
+    assert "convergence" not in stale_names(freshness.stale(results, tree))
+    write(tree, "torchshard/_parallel/powersgd.py", "v2\n")  # what it certifies
+    assert "convergence" in stale_names(freshness.stale(results, tree))
 
 
 def test_a_module_that_becomes_a_package_is_still_measured(tree: Path) -> None:

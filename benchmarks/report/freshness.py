@@ -35,6 +35,10 @@ _BUCKET_MODES = (*_TRAINER, "torchshard/_parallel", "!torchshard/_parallel/full*
 _ALL_MODES = (*_TRAINER, "torchshard/_parallel")
 _STEPS = "benchmarks/_interleaved.py"  # the DDP-paired stepping of bench_lora and bench_mixed
 _COMM = ("torchshard/comm.py",)  # the comms' public face (their code: torchshard/_parallel)
+_COMM_PATH = tuple(  # the comms' code: what a bucket's bytes go through
+    f"torchshard/_parallel/{m}.py"
+    for m in ("comm", "comms", "powersgd", "topk", "feedback", "star", "reducer", "buckets")
+)
 
 # What each result measured: its own script, the library code it runs, the example model
 # and data it trains.
@@ -65,11 +69,15 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "lora": ("benchmarks/bench_lora.py", *_ALL_MODES, "benchmarks/_common.py", _STEPS),
     # a transformers Llama in bf16 with fp32 norms (not hashed, as torch is not), every mode
     "mixed": ("benchmarks/bench_mixed.py", *_ALL_MODES, "benchmarks/_common.py", _STEPS),
-    # SLOW: the example's whole runs, without checkpoints (--ckpt-dir '')
+    # SLOW (about 12 minutes): the example's whole runs, without checkpoints (--ckpt-dir '').
+    # What it certifies is each comm's effect on the loss, so it holds the comms' own path
+    # (the choices, the bucket comms, the reducer that drives them, the buckets they cut)
+    # and the example, not the rest of the trainer: that is held bitwise to DDP by the
+    # tests, and a rerun for every change to it would cost each change 12 minutes.
     "convergence": (
         "benchmarks/bench_convergence.py",
-        *_BUCKET_MODES,
         *_COMM,
+        *_COMM_PATH,
         "torchshard/data.py",
         "examples/train_gpt.py",
         *_COMMON,
