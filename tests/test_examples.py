@@ -408,6 +408,40 @@ def test_train_gpt_compresses_with_powersgd_after_its_start_and_refuses_it_shard
     assert 'train_gpt.py", line' not in text, text
 
 
+@pytest.mark.slow
+def test_train_gpt_powersgd_stops_and_resumes_with_its_compression_state(tmp_path):
+    """--comm powersgd:2 stopped at step 12 and resumed with --resume: the checkpoint carried
+    the step count (the resumed run compresses at once, as the uninterrupted one, instead of
+    10 more dense steps) and the mean error (the weights at step 16 within float32 rounding
+    of the uninterrupted run's: the mean, not each rank's own error, is what resumes); the
+    same checkpoint resumes at 1 rank, with the same logged loss (PowerSGD's update depends
+    on the ranks only through their sum)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    gpt = [*GPT, "--steps", "16", "--log-every", "4", "--save-every", "4"]
+    two = ("--standalone", "--nproc-per-node", "2")
+    psgd = [*two, TRAIN_GPT, *gpt, "--comm", "powersgd:2"]
+    whole = run(torchrun(*psgd, "--ckpt-dir", str(b)))
+    run(torchrun(*psgd, "--ckpt-dir", str(a), "--stop-at", "12"))
+    resumed = run(torchrun(*psgd, "--ckpt-dir", str(a), "--resume"))
+    assert f"resumed from {a}/step-00000012 (saved at world size 2" in resumed, resumed
+    sent, sent_whole = sent_per_step(resumed), sent_per_step(whole)
+    assert sent[16] == sent_whole[16] and sent[16][0] < sent[16][1] / 2, (sent, sent_whole)
+    assert logged_losses(resumed)[16] == logged_losses(whole)[16]
+    ours, theirs = final_weights(a / "step-00000016"), final_weights(b / "step-00000016")
+    assert ours.keys() == theirs.keys() and ours
+    worst = max((ours[k] - theirs[k]).abs().max().item() for k in ours)
+    assert 0 <= worst < 1e-5, worst
+
+    one = ("--standalone", "--nproc-per-node", "1")
+    step12 = a / "step-00000012"
+    more = [*GPT, "--steps", "16", "--log-every", "4", "--comm", "powersgd:2", "--ckpt-dir", ""]
+    text = run(torchrun(*one, TRAIN_GPT, *more, "--resume-from", str(step12)))
+    assert f"resumed from {step12} (saved at world size 2" in text, text
+    assert "loaded error (the mean over 2 ranks), powersgd_q, steps=12" in text, text
+    # one rank sends nothing, yet compresses alike: the same global batches, the same loss
+    assert logged_losses(text)[16] == logged_losses(whole)[16], text
+
+
 def test_plot_metrics_draws_the_loss_curve(tmp_path):
     pytest.importorskip("matplotlib")
     import plot_metrics
