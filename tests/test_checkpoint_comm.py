@@ -29,6 +29,7 @@ from test_checkpoint_cli import GOLDEN, Golden, edit_metadata, flip_byte
 
 import torchshard
 from torchshard import DistributedTrainer, checkpoint
+from torchshard._cli import main
 from torchshard.comm import AllReduce, PowerSGD, TopK
 
 BUCKET_MB = 0.004  # ~4 KB of float64: the test model spreads over several buckets
@@ -156,7 +157,7 @@ def test_an_async_save_holds_the_state_as_it_was_at_the_save(powersgd_run):
     assert meta == json.loads((blocking / "metadata.json").read_text())
 
 
-def test_the_metadata_records_the_comm_and_the_files_verify(powersgd_run, tmp_path):
+def test_the_metadata_records_the_comm_and_the_files_verify(powersgd_run, tmp_path, capsys):
     root, saved = powersgd_run
     path = root / "blocking" / "step-00000004"
     meta = json.loads((path / "metadata.json").read_text())
@@ -168,6 +169,11 @@ def test_the_metadata_records_the_comm_and_the_files_verify(powersgd_run, tmp_pa
     report = checkpoint.inspect_checkpoint(path)
     assert report.ok and report.format_version == 5, report.problems
     assert report.comm is not None and report.comm["scalars"] == {"steps": SAVE}
+    assert main(["inspect", str(path)]) == 0  # the command line says it too
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("comm "))
+    n = saved[0]["mean"].numel()
+    assert line.startswith("comm         PowerSGD(rank=2, start_step=1, min_compression=2.0): ")
+    assert f"error (float64, {n:,})" in line and f"steps={SAVE}" in line, line
     # resharded to 3 ranks: the same tensors, split in 3
     out = checkpoint.reshard(path, tmp_path / "three", 3)
     assert checkpoint.inspect_checkpoint(out).ok

@@ -191,6 +191,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             for g, group in enumerate(opt["param_groups"]):
                 hyper = ", ".join(f"{k}={_value(v)}" for k, v in group.items() if k != "params")
                 print(f"  group {g:<4} {group['params']} parameters: {hyper}")
+        if r.comm is not None:  # a lossy comm's state (format 5)
+            c = r.comm
+            flat = [f"{k} ({v['dtype']}, {v['numel']:,})" for k, v in c["flat"].items()]
+            flat += [f"{k}={v}" for k, v in c["scalars"].items()]
+            print(f"comm         {c['comm']}: {', '.join(flat)}")
         print(f"extra        {json.dumps(r.extra)}")
         print("files")
         width = max((len(f.name) for f in r.files), default=0)
