@@ -683,6 +683,9 @@ def _over_a_subgroup(uneven: bool) -> bool | None:
     group = dist.new_group([1, 2])
     if uneven:  # rank 2 knows one group more than rank 1: torch would name a local group apart
         dist.new_group([0, 2])
+    # rank 0 leaves next: not before rank 2 is connected to it too (gloo connects the pair
+    # from both ends; a peer that exits first fails the other's connectFullMesh)
+    dist.barrier()
     if dist.get_rank() not in (1, 2):
         return None
     got, own = {}, None
