@@ -51,17 +51,19 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.n_layer = cfg.n_layer  # for the scaled init of proj
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.qkv.tp_packed = 3  # q, k and v fused: tensor parallelism splits each
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        # the heads this rank holds (all of them, unless tensor parallelism splits qkv)
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        q, k, v = (z.view(b, t, -1, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
@@ -77,6 +79,18 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+
+TP_PLAN = {
+    "wte": "embedding_rowwise",
+    "blocks.*.attn.qkv": "packed_colwise",
+    "blocks.*.attn.proj": "rowwise",
+    "blocks.*.mlp.0": "colwise",
+    "blocks.*.mlp.2": "rowwise",
+    "lm_head": "colwise_gather_output",
+}
+"""Tensor parallelism for :class:`GPT` (``FlatParamModule(model, tp_plan=TP_PLAN, mesh=...)``):
+Megatron's split of each block, a vocabulary-parallel embedding tied to a gathered head."""
 
 
 class GPT(nn.Module):

@@ -24,11 +24,16 @@ FLAT = {  # the buffer: imports nothing from parallelism or checkpointing
     "_flat.hf": {"_log"},
     "_flat.views": {"_flat.layout", "_log"},
     "_flat.meta": {"_errors"},
+    # tensor parallelism: a plan, resolved (pure) -> the forwards -> each rank's pieces
+    "_flat.tp_plan": {"_errors"},
+    "_flat.tp_layers": set(),
+    "_flat.tp": {"_errors", "_flat.layout", "_flat.tp_layers", "_flat.tp_plan"},
     "_flat.module": {
         "_errors",
         "_flat.hf",
         "_flat.layout",
         "_flat.meta",
+        "_flat.tp",
         "_flat.views",
         "_log",
         "_stepped",

@@ -10,6 +10,7 @@ from ._errors import (
     MeshError,
     RankMismatchError,
     TorchShardError,
+    TPPlanError,
     UnwrittenBufferError,
 )
 from ._flat.layout import FlatLayout, ParamSlot, Region
@@ -57,6 +58,7 @@ __all__ = [
     "Star",
     "TopK",
     "TorchShardError",
+    "TPPlanError",
     "UnwrittenBufferError",
     "__version__",
     "init_distributed",

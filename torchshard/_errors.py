@@ -16,6 +16,7 @@ __all__ = [
     "LayoutError",
     "MeshError",
     "RankMismatchError",
+    "TPPlanError",
     "TorchShardError",
     "UnwrittenBufferError",
     "and_more",
@@ -44,6 +45,12 @@ class MeshError(TorchShardError, ValueError):
 
     Raised on every rank alike.
     """
+
+
+class TPPlanError(TorchShardError, ValueError):
+    """A tensor-parallel plan that does not fit the model: a glob that names no module, a
+    style for another module type, a size the degree does not divide, a tied parameter split
+    two ways. Raised on every rank alike, when the model is wrapped."""
 
 
 class RankMismatchError(TorchShardError):

@@ -6,8 +6,10 @@ never imports transformers (an optional dependency, the ``hf`` extra).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -198,19 +200,34 @@ def clear_init_flags(model: nn.Module) -> None:
                 t.__dict__.pop(_FLAG, None)
 
 
-def init_transformers_model(model: nn.Module) -> None:
+def init_transformers_model(model: nn.Module, whole: Callable[..., None] | None = None) -> None:
     """Initialize every parameter and buffer of a bound transformers model its own way.
 
     ``initialize_weights()`` applies the model's ``_init_weights`` to every
     submodule (composite models dispatch to each sub-model's own), including
     rotary embeddings' ``inv_freq``. It skips what transformers marked as
-    initialized: clear the marks first (:func:`clear_init_flags`).
+    initialized: clear the marks first (:func:`clear_init_flags`). ``whole(m, fn)`` runs
+    ``fn(m)`` with ``m``'s tensor-parallel pieces whole (each model's ``_init_weights``).
     """
+    if whole is not None:
+        patched = [m for m in model.modules() if callable(getattr(m, "_init_weights", None))]
+        for m in patched:
+            m._init_weights = functools.partial(_whole_call, whole, m._init_weights)
+        try:
+            init_transformers_model(model)
+        finally:
+            for m in patched:
+                del m._init_weights
+        return
     init = getattr(model, "initialize_weights", None)
     if callable(init):
         init()
     else:  # transformers 4: the same walk by hand
         model.apply(model._init_weights)  # type: ignore[operator]
+
+
+def _whole_call(whole: Callable[..., None], init: Callable[..., None], m: nn.Module) -> None:
+    whole(m, init)
 
 
 def init_peft_adapters(model: nn.Module) -> int:

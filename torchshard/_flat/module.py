@@ -22,6 +22,7 @@ from .hf import (
 )
 from .layout import FlatLayout, ParamSlot
 from .meta import MetaBuffers
+from .tp import TensorParallel, check_tp_args
 from .views import (
     Owners,
     install_grad_hooks,
@@ -48,6 +49,13 @@ class FlatParamModule(nn.Module):
         module: the model; its parameters may live on meta, CPU or CUDA.
         dtype: cast every parameter to this dtype (default: their common dtype).
         align_bytes: every parameter's offset is a multiple of this many bytes.
+        tp_plan: tensor parallelism: ``{module glob: style}`` (``"colwise"``, ``"rowwise"``,
+            ``"colwise_gather_output"``, ``"packed_colwise"``, ``"embedding_rowwise"``) or
+            ``"auto"`` (a transformers model's own plan); each split parameter becomes this
+            rank's piece, and the layout lays out the pieces (:attr:`tp`; the whole model's
+            layout is ``fm.tp.whole``). Parameters no glob names are replicated.
+        mesh: with ``tp_plan``: the :class:`Mesh` (``init_mesh(tp=T)``) whose ``tp`` group
+            the plan splits over.
 
     Names: :meth:`state_dict` and :meth:`load_state_dict` use the wrapped model's own
     keys (``"0.weight"``), also when a parent module or ``torch.compile(fm)`` saves and
@@ -73,7 +81,13 @@ class FlatParamModule(nn.Module):
     """
 
     def __init__(
-        self, module: nn.Module, *, dtype: torch.dtype | None = None, align_bytes: int = 16
+        self,
+        module: nn.Module,
+        *,
+        dtype: torch.dtype | None = None,
+        align_bytes: int = 16,
+        tp_plan: dict[str, str] | str | None = None,
+        mesh: Any = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TorchShardError(f"module: expected an nn.Module, got {type(module).__name__}")
@@ -85,6 +99,11 @@ class FlatParamModule(nn.Module):
             # what transformers keeps in fp32 as it loads (from_config on meta does not)
             keep_in_fp32(module)
         self.module = module
+        check_tp_args(tp_plan, mesh)
+        self.tp: TensorParallel | None = None
+        """Tensor parallelism (``tp_plan=``): the tp group, the plan, each slot's split."""
+        if tp_plan is not None and mesh.tp_size > 1:
+            self.tp = TensorParallel(module, tp_plan, mesh, dtype=dtype, align_bytes=align_bytes)
         self.layout: FlatLayout = FlatLayout.from_module(
             module, dtype=dtype, align_bytes=align_bytes
         )
@@ -312,10 +331,11 @@ class FlatParamModule(nn.Module):
         """
         self._require_bound("init_weights()")
         clear_init_flags(self.module)  # transformers skips tensors it marked as initialized
+        tp = self.tp
         if fn is not None:
-            self.module.apply(fn)
+            self.module.apply(fn if tp is None else lambda m: tp.whole_init(m, fn))
         else:
-            _init_own_way(self.module)
+            _init_own_way(self.module, whole=tp.whole_init if tp is not None else None)
             init_peft_adapters(self.module)  # after the base model's init wrote them
         self.check_views()
         self._meta.refresh()  # every buffer written: no check is left
@@ -454,18 +474,21 @@ class FlatParamModule(nn.Module):
             yield slot, owners.get(slot.name)
 
 
-def _init_own_way(module: nn.Module, seen: set[int] | None = None) -> None:
+def _init_own_way(
+    module: nn.Module, seen: set[int] | None = None, whole: Callable[..., None] | None = None
+) -> None:
     """Pre-order, each module once: a transformers model initializes its whole subtree,
-    any other module with ``reset_parameters()`` resets itself."""
+    any other module with ``reset_parameters()`` resets itself. ``whole(m, fn)``: runs
+    ``fn(m)`` with ``m``'s split parameters whole (tensor parallelism)."""
     seen = set() if seen is None else seen
     if id(module) in seen:
         return
     seen.add(id(module))
     if is_transformers_model(module):
-        init_transformers_model(module)
+        init_transformers_model(module, whole)
         return
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
-        reset()
+        reset() if whole is None else whole(module, lambda m: m.reset_parameters())
     for child in module.children():
-        _init_own_way(child, seen)
+        _init_own_way(child, seen, whole)

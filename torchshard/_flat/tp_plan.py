@@ -1,0 +1,235 @@
+"""Tensor-parallel plans: which parameter is split along which dimension, checked.
+
+A plan maps module-name globs to styles (transformers' names). Pure metadata: resolving a
+plan reads module types, names and shapes only, so it works on a model built on meta, and
+every rank resolves it alike (a bad plan raises on every rank, before any collective).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+import torch
+from torch import nn
+
+from .._errors import TPPlanError, and_more
+
+__all__ = ["STYLES", "Split", "auto_plan", "matches", "resolve_plan", "split_of"]
+
+STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_gather_output",
+    "packed_colwise",
+    "embedding_rowwise",
+)
+"""The plan styles: a Linear split by output features (``colwise``; its output gathered:
+``colwise_gather_output``; its fused parts each split: ``packed_colwise``), by input
+features (``rowwise``), or an Embedding split by vocabulary (``embedding_rowwise``)."""
+
+_EMBEDDING = ("embedding_rowwise",)
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a parameter is split over ``T`` tensor-parallel ranks: along ``dim``, in
+    ``parts`` equal fused parts (1: plain), each cut into ``T`` contiguous pieces; rank ``r``
+    holds piece ``r`` of every part, the parts back to back.
+
+    Example::
+
+        Split(0, 3).local_shape((12, 4), 2)   # (6, 4): a fused q/k/v split over 2 ranks
+    """
+
+    dim: int
+    parts: int = 1
+
+    def local_shape(self, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+        out = list(shape)
+        out[self.dim] //= tp
+        return tuple(out)
+
+    def pieces(self, size: int, rank: int, tp: int) -> list[tuple[int, int]]:
+        """``[a, b)`` along :attr:`dim` of the whole tensor that rank ``rank`` holds, in its
+        order (one per part)."""
+        part = size // self.parts
+        step = part // tp
+        return [(j * part + rank * step, j * part + (rank + 1) * step) for j in range(self.parts)]
+
+    def take(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+        """Rank ``rank``'s piece of the whole tensor ``full`` (a view when it is one piece)."""
+        got = [
+            full.narrow(self.dim, a, b - a) for a, b in self.pieces(full.shape[self.dim], rank, tp)
+        ]
+        return got[0] if len(got) == 1 else torch.cat(got, self.dim)
+
+    def put(self, full: torch.Tensor, local: torch.Tensor, rank: int, tp: int) -> None:
+        """Write rank ``rank``'s piece ``local`` into its place in ``full``."""
+        at = 0
+        for a, b in self.pieces(full.shape[self.dim], rank, tp):
+            full.narrow(self.dim, a, b - a).copy_(local.narrow(self.dim, at, b - a))
+            at += b - a
+
+    def to_json(self) -> list[int]:
+        return [self.dim, self.parts]
+
+
+def split_of(style: str, leaf: str, parts: int = 2) -> Split | None:
+    """The split a style gives a module's parameter ``leaf`` (``"weight"``, ``"bias"``);
+    ``None``: replicated (a rowwise bias, added once after the reduction)."""
+    if style in ("colwise", "colwise_gather_output"):
+        return Split(0)
+    if style == "packed_colwise":
+        return Split(0, parts)
+    if style == "rowwise":
+        return Split(1) if leaf == "weight" else None
+    if style == "embedding_rowwise":
+        return Split(0)
+    raise TPPlanError(f"tp_plan: unknown style {style!r}; expected one of {', '.join(STYLES)}")
+
+
+def matches(glob: str, name: str) -> bool:
+    """Whether a plan glob names a module: dot-separated tokens matched one by one
+    (``*`` never crosses a dot), as ``torch.distributed.tensor.parallel`` matches.
+
+    Example::
+
+        matches("layers.*.mlp.up_proj", "layers.3.mlp.up_proj")  # True
+    """
+    a, b = glob.split("."), name.split(".")
+    return len(a) == len(b) and all(fnmatchcase(y, x) for x, y in zip(a, b))
+
+
+def auto_plan(model: nn.Module) -> dict[str, str]:
+    """A transformers model's own plan: its config's ``base_model_tp_plan`` under the base
+    model's prefix, and the model's ``_tp_plan`` (e.g. ``lm_head``)."""
+    config = getattr(model, "config", None)
+    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not base and not getattr(model, "_tp_plan", None):
+        raise TPPlanError(
+            f"tp_plan='auto': {type(model).__name__} declares no tensor-parallel plan "
+            "(a transformers model's config.base_model_tp_plan); pass tp_plan={glob: style}"
+        )
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = prefix and isinstance(getattr(model, prefix, None), nn.Module)
+    plan = {(f"{prefix}.{k}" if inner else k): v for k, v in base.items()}
+    plan.update(dict(getattr(model, "_tp_plan", None) or {}))
+    return plan
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A resolved plan: each split module's style (by name), and each split parameter's
+    :class:`Split` (by every name it has)."""
+
+    styles: dict[str, str]
+    splits: dict[str, Split]
+
+
+def resolve_plan(model: nn.Module, plan: Mapping[str, str] | str, tp: int) -> Resolved:
+    """Match ``plan`` against ``model``'s modules and check that it fits ``tp`` ranks:
+    every glob names a module, each style fits its module type, every split dimension
+    (heads, hidden size, vocabulary) divides by ``tp`` (times its fused parts), a tied
+    parameter gets one split under all its names, a module that declares fused parts
+    (``tp_packed = k``) is split ``packed_colwise``. Raises :class:`TPPlanError` else."""
+    if plan == "auto":
+        plan = auto_plan(model)
+    if not isinstance(plan, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in plan.items()
+    ):
+        raise TPPlanError(f"tp_plan: expected 'auto' or a dict {{glob: style}}, got {plan!r}")
+    modules = dict(model.named_modules())
+    styles: dict[str, str] = {}
+    for glob, style in plan.items():
+        split_of(style, "weight")  # a known style
+        hit = [n for n in modules if n and matches(glob, n)]
+        if not hit:
+            raise TPPlanError(
+                f"tp_plan: {glob!r} names no module of {type(model).__name__} (module names "
+                f"look like {and_more([n for n in modules if n][:3])})"
+            )
+        for name in hit:
+            styles.setdefault(name, style)
+    _check_heads(model, tp)
+    splits: dict[str, Split] = {}
+    for name, style in styles.items():
+        splits.update(_module_splits(name, modules[name], style, tp))
+    _check_ties(model, splits)
+    return Resolved(styles, splits)
+
+
+def _module_splits(name: str, m: nn.Module, style: str, tp: int) -> Iterator[tuple[str, Split]]:
+    want = nn.Embedding if style in _EMBEDDING else nn.Linear
+    if type(m) is not want:
+        raise TPPlanError(
+            f"tp_plan: {name!r} is a {type(m).__name__}; style {style!r} splits an "
+            f"nn.{want.__name__}"
+        )
+    packed = getattr(m, "tp_packed", 1)
+    if style == "colwise" and packed > 1:
+        raise TPPlanError(
+            f"tp_plan: {name!r} fuses {packed} projections (tp_packed={packed}); a plain "
+            "'colwise' split would give rank 0 the first parts whole; use 'packed_colwise'"
+        )
+    if isinstance(m, nn.Embedding) and (m.max_norm is not None or m.sparse):
+        raise TPPlanError(f"tp_plan: {name!r}: a split embedding cannot renorm or be sparse")
+    for leaf, p in m.named_parameters(recurse=False):
+        split = split_of(style, leaf, packed if packed > 1 else 2)
+        if split is None:
+            continue
+        size = p.shape[split.dim]
+        if size % (split.parts * tp):
+            what = "vocabulary" if style in _EMBEDDING else f"dimension {split.dim}"
+            raise TPPlanError(
+                f"tp_plan: {name}.{leaf}: its {what} ({size}"
+                + (f" in {split.parts} fused parts" if split.parts > 1 else "")
+                + f") does not divide over tp={tp}; pad it (e.g. the vocabulary) to a "
+                f"multiple of {split.parts * tp}"
+            )
+        yield f"{name}.{leaf}", split
+
+
+def _check_heads(model: nn.Module, tp: int) -> None:
+    """Attention heads split with their projections: each count must divide by ``tp``."""
+    for mname, m in model.named_modules():
+        config = getattr(m, "config", None)
+        for holder, keys in (
+            (config, ("num_attention_heads", "num_key_value_heads")),
+            (m, ("n_head", "num_heads")),
+        ):
+            for key in keys:
+                n = getattr(holder, key, None) if holder is not None else None
+                if isinstance(n, int) and n % tp:
+                    where = f"{mname or type(model).__name__}" + (
+                        ".config" if holder is config else ""
+                    )
+                    raise TPPlanError(
+                        f"tp_plan: {where}.{key} = {n} heads do not divide over tp={tp}; "
+                        "each rank must hold whole heads"
+                    )
+
+
+def _check_ties(model: nn.Module, splits: dict[str, Split]) -> None:
+    """Every name of a tied parameter gets the same split (or none); the map then holds
+    all its names."""
+    names: dict[int, list[str]] = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for leaf, p in m.named_parameters(recurse=False):
+            full = f"{mname}.{leaf}" if mname else leaf
+            if full not in names.setdefault(id(p), []):
+                names[id(p)].append(full)
+    for group in names.values():
+        got = {n: splits.get(n) for n in group}
+        kinds = set(got.values())
+        if len(kinds) > 1:
+            shown = ", ".join(f"{n}: {s.to_json() if s else 'replicated'}" for n, s in got.items())
+            raise TPPlanError(
+                f"tp_plan: tied parameter {group[0]} gets different splits under its names "
+                f"({shown}); give its modules styles that split it alike"
+            )
+        split = kinds.pop()
+        if split is not None:
+            for n in group:
+                splits[n] = split
