@@ -25,7 +25,7 @@ FLAT = {  # the buffer: imports nothing from parallelism or checkpointing
     "_flat.views": {"_flat.layout", "_log"},
     "_flat.meta": {"_errors"},
     # tensor parallelism: a plan, resolved (pure) -> the forwards -> each rank's pieces
-    "_flat.tp_plan": {"_errors"},
+    "_flat.tp_plan": {"_errors", "_flat.layout"},
     "_flat.tp_layers": set(),
     "_flat.tp": {"_errors", "_flat.layout", "_flat.tp_layers", "_flat.tp_plan"},
     "_flat.module": {
@@ -133,6 +133,14 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
     "_parallel.teardown": {"_dist", "_exit", "_flat.module", "_log"},
     "_parallel.state": {"_dist", "_flat.module", "_parallel.mode", "_parallel.shards"},
     "_parallel.units": {"_errors", "_flat.geometry", "_flat.layout"},
+    # a tensor-parallel flat module beside the data-parallel mode
+    "_parallel.tp": {
+        "_errors",
+        "_flat.module",
+        "_parallel.mode",
+        "_parallel.seam",
+        "_parallel.setup",
+    },
     # the fully sharded mode, one way: collectives -> storage -> grads / init -> schedule -> mode
     "_parallel.full.collectives": {"_parallel.comm", "_parallel.reducer"},
     "_parallel.full.storage": {"_flat.layout", "_parallel.full.collectives", "_parallel.units"},
@@ -185,6 +193,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_parallel.setup",
         "_parallel.shards",
         "_parallel.teardown",
+        "_parallel.tp",
         "_parallel.units",
         "_stepped",
     },

@@ -204,6 +204,23 @@ class FlatLayout:
             offset = _round_up(slot.end, align)
         return cls(tuple(slots), buffer_dtype, align_bytes, offset)
 
+    def with_shapes(self, shapes: dict[int, tuple[int, ...]]) -> FlatLayout:
+        """This layout with slot ``i`` of shape ``shapes[i]`` (the rest as they are), laid
+        out again by the same rules: what a tensor-parallel rank's pieces take.
+
+        Example::
+
+            layout.with_shapes({0: (2, 4)}).slots[0].numel   # 8
+        """
+        align = self.align_bytes if self.mixed else self.align_bytes // self.torch_dtype.itemsize
+        slots, offset = [], 0
+        for i, slot in enumerate(self.slots):
+            shape = tuple(shapes.get(i, slot.shape))
+            slot = replace(slot, shape=shape, numel=math.prod(shape), offset=offset)
+            slots.append(slot)
+            offset = _round_up(slot.end, align)
+        return FlatLayout(tuple(slots), self.dtype, self.align_bytes, offset)
+
     def __post_init__(self) -> None:
         # Cheap structural checks so a layout read from JSON cannot describe
         # overlapping or out-of-range slots.

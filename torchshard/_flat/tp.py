@@ -63,6 +63,10 @@ class TensorParallel:
         splits = {s.name: p.to_json() for s, p in zip(self.whole.slots, self.splits) if p}
         return {"tp": self.size, "tp_plan": self.plan, "splits": splits}
 
+    def split_map(self) -> dict[str, Split]:
+        """Each split slot's :class:`Split`, by its first name."""
+        return {s.name: p for s, p in zip(self.whole.slots, self.splits) if p is not None}
+
     def whole_shape(self, index: int) -> tuple[int, ...]:
         return self.whole.slots[index].shape
 

@@ -15,8 +15,17 @@ import torch
 from torch import nn
 
 from .._errors import TPPlanError, and_more
+from .layout import FlatLayout
 
-__all__ = ["STYLES", "Split", "auto_plan", "matches", "resolve_plan", "split_of"]
+__all__ = [
+    "STYLES",
+    "Split",
+    "auto_plan",
+    "local_layout",
+    "matches",
+    "resolve_plan",
+    "split_of",
+]
 
 STYLES = (
     "colwise",
@@ -233,3 +242,20 @@ def _check_ties(model: nn.Module, splits: dict[str, Split]) -> None:
         if split is not None:
             for n in group:
                 splits[n] = split
+
+
+def local_layout(whole: FlatLayout, splits: Mapping[str, Split | None], tp: int) -> FlatLayout:
+    """The layout each of ``tp`` ranks lays out its pieces in: ``whole`` with every slot that
+    ``splits`` names (by its first name) at its local shape. A pure function of the whole
+    layout, the splits and the degree: a checkpoint computes any degree's from its own.
+
+    Example::
+
+        local_layout(fm.tp.whole, fm.tp.split_map(), 2) == fm.layout
+    """
+    shapes = {}
+    for i, slot in enumerate(whole.slots):
+        split = splits.get(slot.name)
+        if split is not None:
+            shapes[i] = split.local_shape(slot.shape, tp)
+    return whole.with_shapes(shapes)

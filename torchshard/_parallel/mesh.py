@@ -292,11 +292,6 @@ def split_dp(
             f"mesh: expected a torchshard Mesh from torchshard.init_mesh(), got "
             f"{type(mesh).__name__}"
         )
-    if mesh.tp_size > 1:
-        raise MeshError(
-            f"mesh: tp={mesh.tp_size} is not implemented by DistributedTrainer yet; use a mesh "
-            "with tp=1, or process_group=mesh.dp"
-        )
     group = None if mesh.dp is dist.group.WORLD else mesh.dp
     replicas = mesh.shape[0]
     if replicas == 1 or not sharded:  # the one-dimensional case: today's code path

@@ -171,12 +171,17 @@ def assert_in_sync(
     device: torch.device,
     world_size: int,
     params: tuple[torch.Tensor, ...],
+    *,
+    slots: list[int] | None = None,
+    what: str = "ranks",
 ) -> None:
     """Raise :class:`RankMismatchError` on every rank if any rank's weights differ, naming
-    the first parameter (``params``: by slot) or buffer that differs and the ranks that hold
-    other values."""
+    the first parameter (``params``: by slot; ``slots``: only those) or buffer that differs
+    and the ranks (of ``group``: ``what``) that hold other values."""
     names, sums = [], []
-    for slot, p in zip(fm.layout.slots, params):
+    for i, (slot, p) in enumerate(zip(fm.layout.slots, params)):
+        if slots is not None and i not in slots:
+            continue
         names.append(slot.name)
         sums.append(_bit_checksum(p))
     for name, b in fm.module.named_buffers():
@@ -193,7 +198,7 @@ def assert_in_sync(
         k = int(differs[0])
         odd = [r for r in range(world_size) if table[r, k] != table[0, k]]
         raise RankMismatchError(
-            f"weights out of sync: {names[k]!r} differs between rank 0 and ranks {odd} "
+            f"weights out of sync: {names[k]!r} differs between {what[:-1]} 0 and {what} {odd} "
             f"({len(differs)} of {len(names)} tensors differ); call trainer.broadcast() "
             "to resynchronize, and check that every rank runs the same optimizer steps"
         )

@@ -38,6 +38,7 @@ from .setup import (
 )
 from .shards import LocalShards, MemoryStats
 from .teardown import teardown
+from .tp import check_tp, clip_tp, sync_replicated, sync_rng, tp_in_sync
 from .units import Unit, UnitSpec
 
 __all__ = ["CommStats", "DistributedTrainer"]
@@ -151,6 +152,7 @@ class DistributedTrainer:
         self._mode, self.shard = _pick_mode(shard, *loose)
         # the data-parallel group; hybrid sharding's shard and replicate groups, if any
         self._group, self._cut, self._across = _groups(mesh, process_group, self._mode, shard)
+        check_tp(fm, mesh)  # a split module and its mesh go together
         self._mesh = Mesh1D.of(self._group)
         self.rank, self.world_size = self._mesh.rank, self._mesh.size
         if not 0 <= src < self.world_size:
@@ -170,10 +172,12 @@ class DistributedTrainer:
         # anything is allocated), bind (initializing meta weights), broadcast from src.
         self._mode.prepare(fm)
         token = check_same_model(fm, self._mode, self._group, self.device, src)
+        sync_rng(fm, self.device)  # tensor parallel: the tp ranks draw alike (init, dropout)
         self._params = self._mode.adopt(fm, self.device, self._group, src, init_fn, self._cut)
         self._flat = fm.flat_param
         with fm.meta_buffers.preserved():  # src's zeros are no value: still unwritten
-            self._broadcast_buffers(src)
+            _broadcast_buffers(self.module, self._mesh, src)
+            sync_replicated(fm, self._params, self._flat is not None)
         self._coordinator = (
             Coordinator(token, self.rank, self.world_size) if self.world_size > 1 else None
         )
@@ -280,13 +284,7 @@ class DistributedTrainer:
         assert flat is not None
         # torch's broadcast takes a global rank; src is a rank of our group.
         dist.broadcast(flat, self._mesh.global_rank(src), group=self._group)
-        self._broadcast_buffers(src)
-
-    def _broadcast_buffers(self, src: int) -> None:
-        if self.world_size > 1:
-            root = self._mesh.global_rank(src)
-            for b in self.module.module.buffers():
-                dist.broadcast(b, root, group=self._group)
+        _broadcast_buffers(self.module, self._mesh, src)
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -334,7 +332,8 @@ class DistributedTrainer:
         self._check_open()
         if not self._reducer.averaged:
             self.average_gradients()
-        return clip_grad_norm(self._mode, self._ctx, max_norm, norm_type, error_if_nonfinite)
+        clip = clip_grad_norm if self.module.tp is None else clip_tp
+        return clip(self._mode, self._ctx, max_norm, norm_type, error_if_nonfinite)
 
     # -- optimizer (both modes; required in sharded mode) ------------------------------------
     def make_optimizer(
@@ -551,6 +550,7 @@ class DistributedTrainer:
         self._check_open()
         with self.gathered():
             assert_in_sync(self.module, self._group, self.device, self.world_size, self._params)
+            tp_in_sync(self.module, self.device, self._params)  # what tp ranks replicate
 
     # -- teardown ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -613,6 +613,12 @@ class DistributedTrainer:
                 "the FlatParamModule was bound to another buffer after the trainer was created "
                 "(fm.bind(), fm.to(), ...); create the trainer after moving the model"
             )
+
+
+def _broadcast_buffers(fm: FlatParamModule, mesh: Mesh1D, src: int) -> None:
+    if mesh.size > 1:
+        for b in fm.module.buffers():
+            dist.broadcast(b, mesh.global_rank(src), group=mesh.group)
 
 
 def _check_comm(

@@ -100,10 +100,11 @@ class UnitFiller:
         # units the initializer has moved past (a unit touched again is gathered back).
         with Materialize(self):
             clear_init_flags(fm.module)
+            tp = fm.tp  # tensor parallel: each module's init on its whole parameters, sliced
             if init_fn is not None:
-                fm.module.apply(init_fn)
+                fm.module.apply(init_fn if tp is None else lambda m: tp.whole_init(m, init_fn))
             else:
-                _init_own_way(fm.module)
+                _init_own_way(fm.module, whole=tp.whole_init if tp is not None else None)
         for u in storage.units:
             if storage.state[u.index] == READY:
                 self.settle(u.index)
