@@ -325,7 +325,7 @@ ROOT = {  # shared ground floor, and the tools above the wings
     "_stepped": {"_errors"},  # which optimizers stepped: the flat module and the trainer
     "_exit": {"_log"},  # a clean exit: close every trainer, then the default group
     "_dist": {"_errors", "_exit", "_log"},
-    "data": {"_errors"},
+    "data": {"_dist", "_errors"},
     "comm": {"_parallel.comms"},  # the public face of the comm choices
     # torchshard estimate: a model on meta -> its estimate -> the table -> its command line
     "_estimate.model": {"_errors", "_flat.hf", "_flat.layout", "_flat.module", "_log"},

@@ -266,3 +266,16 @@ def _row_embedding() -> float:
 def test_vocabulary_parallel_embedding_masks_foreign_ids_and_padding() -> None:
     for diff in run_distributed(_row_embedding, 2, timeout=60):
         assert diff == 0.0
+
+
+def _sampler_place() -> tuple[int, int, list[int]]:
+    mesh = torchshard.init_mesh(tp=2)
+    sampler = torchshard.GlobalBatchSampler(16, 8, seed=0)  # no rank given: the mesh's dp
+    del mesh
+    return sampler.rank, sampler.world_size, next(iter(sampler))
+
+
+def test_the_sampler_defaults_to_the_data_parallel_place() -> None:
+    got = run_distributed(_sampler_place, 4, timeout=60)
+    assert [g[:2] for g in got] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert got[0][2] == got[1][2] and got[2][2] == got[3][2] and got[0][2] != got[2][2]

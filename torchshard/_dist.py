@@ -57,6 +57,25 @@ def _env_int(name: str, default: int) -> int:
         ) from e
 
 
+_DATA_PARALLEL: list[tuple[int, int, int]] = []  # (dp rank, dp size, world size): the last mesh's
+
+
+def set_data_parallel(rank: int, size: int, world: int) -> None:
+    """Record the last mesh's data-parallel place (``init_mesh``), for the samplers' default."""
+    _DATA_PARALLEL[:] = [(rank, size, world)]
+
+
+def data_parallel() -> tuple[int, int]:
+    """This rank's data-parallel ``(rank, size)``: the last :func:`init_mesh`'s (with tensor
+    parallelism the tp ranks read the same data), else the default group's, else ``(0, 1)``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    world = dist.get_world_size()
+    if _DATA_PARALLEL and _DATA_PARALLEL[0][2] == world:
+        return _DATA_PARALLEL[0][:2]
+    return dist.get_rank(), world
+
+
 def backend_devices(config: str) -> dict[str, str]:
     """Which backend serves which device type, from a backend string or config.
 

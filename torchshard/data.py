@@ -15,9 +15,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from ._dist import data_parallel
 from ._errors import DataError
 
 __all__ = ["GlobalBatchSampler", "TrackedLoader"]
@@ -80,8 +80,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
         seed: the order's seed (any int).
         shuffle: a new permutation each epoch; ``False``: ``0, 1, 2, ...`` every epoch.
         drop_last: drop the last, short global batch of an epoch (else pad it, see above).
-        rank, world_size: this process's place; by default the default process group's
-            (``torch.distributed``, if initialized), else 0 of 1.
+        rank, world_size: this process's data-parallel place; by default the last
+            :func:`init_mesh`'s (``mesh.dp_rank`` of ``mesh.dp_size``: with tensor
+            parallelism the tp ranks of a group read the same samples), else the default
+            process group's (``torch.distributed``, if initialized), else 0 of 1.
 
     Raises:
         DataError: on a bad argument, e.g. a global batch size the world size does not divide.
@@ -128,9 +130,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
                 f"{where}: rank and world_size: expected both or neither, got rank={rank!r}, "
                 f"world_size={world_size!r}; pass both, or neither to use the process group's"
             )
-        if world_size is None:
-            initialized = dist.is_available() and dist.is_initialized()
-            rank, world_size = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
+        if world_size is None:  # the data-parallel place: with tensor parallelism, the mesh's
+            rank, world_size = data_parallel()
         self.world_size = _check_int(where, "world_size", world_size, 1, "pass the ranks in all")
         self.rank = _check_int(where, "rank", rank, 0, "pass this process's rank")
         if self.rank >= self.world_size:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .._dist import backend_devices, exchange_bytes, init_distributed
+from .._dist import backend_devices, exchange_bytes, init_distributed, set_data_parallel
 from .._errors import MeshError, RankMismatchError, and_more
 from .comm import Mesh1D
 
@@ -163,7 +163,9 @@ def init_mesh(dp_replicate: int = 1, dp_shard: int | str | None = None, tp: int 
         )
     shape = mesh_shape(world, dp_replicate, dp_shard, tp, local)
     groups = _create_groups(shape)
-    return Mesh(shape, dist.get_rank(), dist.group.WORLD, **groups)  # type: ignore[arg-type]
+    mesh = Mesh(shape, dist.get_rank(), dist.group.WORLD, **groups)  # type: ignore[arg-type]
+    set_data_parallel(mesh.dp_rank, mesh.dp_size, world)  # GlobalBatchSampler's default
+    return mesh
 
 
 def mesh_shape(
