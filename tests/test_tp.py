@@ -84,11 +84,11 @@ def test_tp2_matches_one_process_and_inits_its_slices() -> None:
         assert got["local"] < got["whole"]  # each rank lays out its pieces only
 
 
-def _dp2_tp2(shard: object, steps: int) -> dict[str, object]:
+def _dp2_tp2(shard: object, steps: int, replicas: int = 1) -> dict[str, object]:
     torch.set_default_dtype(torch.float64)
     ref = _reference()
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    mesh = torchshard.init_mesh(tp=2)
+    mesh = torchshard.init_mesh(dp_replicate=replicas, tp=2)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(CFG)
@@ -145,6 +145,12 @@ def test_dp2_tp2_matches_one_process_in_every_mode(shard: object) -> None:
     if shard is False:  # replicated weights bitwise alike on both tp ranks (ranks 0 and 1)
         for name, w in got[0]["replicated"].items():
             assert torch.equal(w, got[1]["replicated"][name]), name
+
+
+@pytest.mark.parametrize("shard", [True, "full"])
+def test_hybrid_sharding_composes_with_tp(shard: object) -> None:
+    for r in run_distributed(_dp2_tp2, 4, shard, 3, 2, timeout=180):  # 2 replicas x tp 2
+        assert r["diff"] <= 1e-10 and r["norm"] <= 1e-12
 
 
 def test_replicated_slots_stay_bitwise_in_sync_after_ten_steps() -> None:
@@ -279,3 +285,38 @@ def test_the_sampler_defaults_to_the_data_parallel_place() -> None:
     got = run_distributed(_sampler_place, 4, timeout=60)
     assert [g[:2] for g in got] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert got[0][2] == got[1][2] and got[2][2] == got[3][2] and got[0][2] != got[2][2]
+
+
+def _local_init() -> dict[str, object]:
+    torch.set_default_dtype(torch.float64)
+    mesh = torchshard.init_mesh(tp=2)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(CFG)
+    fm = torchshard.FlatParamModule(model, tp_plan=TP_PLAN, mesh=mesh, tp_init="local")
+    trainer = torchshard.DistributedTrainer(fm, mesh=mesh, init_fn=init_gpt_weights)
+    whole = _gathered(fm)
+    ref = GPT(CFG)
+    ref.load_state_dict(whole, strict=False)
+    ((x, y),) = _batches(1, 2)
+    diff = (fm(x, y)[0] - ref(x, y)[0]).abs().max().item()
+    ref_init = _reference()
+    sliced = torch.equal(
+        whole["blocks.0.mlp.0.weight"], ref_init.get_parameter("blocks.0.mlp.0.weight")
+    )
+    trainer.close()
+    return {"diff": diff, "sliced": sliced}
+
+
+def test_a_local_init_trains_the_model_its_pieces_make() -> None:
+    for got in run_distributed(_local_init, 2, timeout=60):
+        assert got["diff"] <= 1e-12  # the split model computes what its gathered weights do
+        assert not got["sliced"]  # but they are not the one-process init's slices
+
+
+def test_a_plan_is_checked_at_tp_1_too_and_splits_nothing() -> None:
+    with torch.device("meta"):
+        model = GPT(CFG)
+    fm = torchshard.FlatParamModule(model, tp_plan=TP_PLAN, mesh=_Mesh(1))
+    assert fm.tp is None and fm.layout == torchshard.FlatLayout.from_module(GPT(CFG))
+    assert "names no module" in _plan_error({"nope": "colwise"}, tp=1)

@@ -22,7 +22,7 @@ from .hf import (
 )
 from .layout import FlatLayout, ParamSlot
 from .meta import MetaBuffers
-from .tp import TensorParallel, check_tp_args
+from .tp import TensorParallel, make_tp
 from .views import (
     Owners,
     install_grad_hooks,
@@ -56,6 +56,11 @@ class FlatParamModule(nn.Module):
             layout is ``fm.tp.whole``). Parameters no glob names are replicated.
         mesh: with ``tp_plan``: the :class:`Mesh` (``init_mesh(tp=T)``) whose ``tp`` group
             the plan splits over.
+        tp_init: how :meth:`init_weights` (and a trainer's meta init) initializes split
+            parameters: ``"whole"`` (default) runs each module's init on its whole parameters,
+            one module at a time, and keeps this rank's slices: bitwise the one-process
+            init; ``"local"`` runs it on the pieces (faster, no whole tensor; other values,
+            and a fan-in-scaled init sees the piece's fan-in).
 
     Names: :meth:`state_dict` and :meth:`load_state_dict` use the wrapped model's own
     keys (``"0.weight"``), also when a parent module or ``torch.compile(fm)`` saves and
@@ -88,6 +93,7 @@ class FlatParamModule(nn.Module):
         align_bytes: int = 16,
         tp_plan: dict[str, str] | str | None = None,
         mesh: Any = None,
+        tp_init: str = "whole",
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TorchShardError(f"module: expected an nn.Module, got {type(module).__name__}")
@@ -99,11 +105,8 @@ class FlatParamModule(nn.Module):
             # what transformers keeps in fp32 as it loads (from_config on meta does not)
             keep_in_fp32(module)
         self.module = module
-        check_tp_args(tp_plan, mesh)
-        self.tp: TensorParallel | None = None
+        self.tp: TensorParallel | None = make_tp(module, tp_plan, mesh, dtype, align_bytes, tp_init)
         """Tensor parallelism (``tp_plan=``): the tp group, the plan, each slot's split."""
-        if tp_plan is not None and mesh.tp_size > 1:
-            self.tp = TensorParallel(module, tp_plan, mesh, dtype=dtype, align_bytes=align_bytes)
         self.layout: FlatLayout = FlatLayout.from_module(
             module, dtype=dtype, align_bytes=align_bytes
         )

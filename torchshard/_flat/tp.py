@@ -21,7 +21,7 @@ from .layout import FlatLayout
 from .tp_layers import install_forward
 from .tp_plan import Split, resolve_plan
 
-__all__ = ["TensorParallel"]
+__all__ = ["TensorParallel", "make_tp"]
 
 
 class TensorParallel:
@@ -44,7 +44,11 @@ class TensorParallel:
         *,
         dtype: torch.dtype | None,
         align_bytes: int,
+        init: str = "whole",
     ) -> None:
+        if init not in ("whole", "local"):
+            raise TPPlanError(f"tp_init: expected 'whole' or 'local', got {init!r}")
+        self.init = init
         self.group: dist.ProcessGroup = mesh.tp
         self.rank: int = mesh.tp_rank
         self.size: int = mesh.tp_size
@@ -94,7 +98,11 @@ class TensorParallel:
         """``fn(m)`` with the split parameters of ``m`` and of its direct children whole
         (an init may write a child's, as GPT-2's scaled projection does), then each keeps
         this rank's piece: the same random draws as a one-process init, sliced. One
-        module's parameters are whole at a time, never the model's."""
+        module's parameters are whole at a time, never the model's. With ``init="local"``:
+        ``fn(m)`` on the pieces."""
+        if self.init == "local":
+            fn(m)
+            return
         held = [
             (c, leaf, s)
             for c in (m, *m.children())
@@ -147,7 +155,26 @@ def _shrink(
     return by_module
 
 
-def check_tp_args(plan: object, mesh: object) -> None:
+def make_tp(
+    module: nn.Module,
+    plan: Mapping[str, str] | str | None,
+    mesh: Any,
+    dtype: torch.dtype | None,
+    align_bytes: int,
+    init: str,
+) -> TensorParallel | None:
+    """``FlatParamModule``'s tensor parallelism: ``None`` without a plan, or at ``tp=1``
+    (where the plan is still checked: a bad plan is bad at any degree)."""
+    _check_args(plan, mesh)
+    if plan is None:
+        return None
+    if mesh.tp_size == 1:
+        resolve_plan(module, plan, 1)
+        return None
+    return TensorParallel(module, plan, mesh, dtype=dtype, align_bytes=align_bytes, init=init)
+
+
+def _check_args(plan: object, mesh: object) -> None:
     """``tp_plan`` and ``mesh`` go together (a mesh with ``tp > 1`` needs a plan)."""
     if plan is not None and mesh is None:
         raise TPPlanError(
