@@ -135,6 +135,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
     "_parallel.units": {"_errors", "_flat.geometry", "_flat.layout"},
     # a tensor-parallel flat module beside the data-parallel mode
     "_parallel.tp": {
+        "_dist",
         "_errors",
         "_flat.module",
         "_parallel.mode",

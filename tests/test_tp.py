@@ -320,3 +320,21 @@ def test_a_plan_is_checked_at_tp_1_too_and_splits_nothing() -> None:
     fm = torchshard.FlatParamModule(model, tp_plan=TP_PLAN, mesh=_Mesh(1))
     assert fm.tp is None and fm.layout == torchshard.FlatLayout.from_module(GPT(CFG))
     assert "names no module" in _plan_error({"nope": "colwise"}, tp=1)
+
+
+def _plans_differ() -> str:
+    mesh = torchshard.init_mesh(tp=2)
+    plan = dict(TP_PLAN)
+    if mesh.tp_rank == 1:  # this rank leaves the MLP whole
+        del plan["blocks.*.mlp.0"], plan["blocks.*.mlp.2"]
+    fm = torchshard.FlatParamModule(GPT(CFG), tp_plan=plan, mesh=mesh)
+    try:
+        torchshard.DistributedTrainer(fm, mesh=mesh)
+    except torchshard.RankMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_tp_ranks_that_split_differently_raise_on_every_rank() -> None:
+    for msg in run_distributed(_plans_differ, 2, timeout=60):
+        assert "tp ranks [1] split another model or plan" in msg

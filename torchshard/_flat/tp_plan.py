@@ -182,8 +182,11 @@ def _module_splits(name: str, m: nn.Module, style: str, tp: int) -> Iterator[tup
             f"tp_plan: {name!r} fuses {packed} projections (tp_packed={packed}); a plain "
             "'colwise' split would give rank 0 the first parts whole; use 'packed_colwise'"
         )
-    if isinstance(m, nn.Embedding) and (m.max_norm is not None or m.sparse):
-        raise TPPlanError(f"tp_plan: {name!r}: a split embedding cannot renorm or be sparse")
+    if isinstance(m, nn.Embedding) and (m.max_norm is not None or m.sparse or m.scale_grad_by_freq):
+        raise TPPlanError(
+            f"tp_plan: {name!r}: a split embedding cannot renorm, be sparse or scale its "
+            "gradient by frequency (each rank sees only its own ids)"
+        )
     for leaf, p in m.named_parameters(recurse=False):
         split = split_of(style, leaf, packed if packed > 1 else 2)
         if split is None:

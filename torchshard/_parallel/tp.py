@@ -8,18 +8,21 @@ own pieces, and the mode runs over ``mesh.dp`` as it always does.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .._errors import MeshError, TorchShardError
+from .._dist import exchange_bytes
+from .._errors import MeshError, RankMismatchError, TorchShardError
 from .._flat.module import FlatParamModule
 from .mode import Mode, Segment
 from .seam import Context
 from .setup import assert_in_sync
 
-__all__ = ["check_tp", "clip_tp", "sync_replicated", "sync_rng", "tp_in_sync"]
+__all__ = ["agree_tp", "check_tp", "clip_tp", "sync_replicated", "tp_in_sync"]
 
 
 def check_tp(fm: FlatParamModule, mesh: Any) -> None:
@@ -45,18 +48,31 @@ def _root(fm: FlatParamModule) -> int:
 
 
 @torch.no_grad()
-def sync_rng(fm: FlatParamModule, device: torch.device) -> None:
-    """Every tp rank takes tp rank 0's random state (CPU, and ``device``'s if CUDA): a
-    meta-built model initializes alike on all of them, and dropout outside the split
+def agree_tp(fm: FlatParamModule, device: torch.device) -> None:
+    """The tp ranks check that they split the same model by the same plan (else
+    :class:`RankMismatchError` on each of them, before a collective could hang on
+    mismatched pieces), then take tp rank 0's random state (CPU, and ``device``'s if CUDA):
+    a meta-built model initializes alike on all of them, and dropout outside the split
     layers draws the same masks. Nothing without tensor parallelism."""
-    if fm.tp is None:
+    tp = fm.tp
+    if tp is None:
         return
+    mine = json.dumps([tp.to_json(), fm.layout.to_json()], sort_keys=True).encode()
+    digest = hashlib.sha256(mine).hexdigest().encode()
+    everyone = exchange_bytes(digest, tp.group, device)
+    odd = [r for r, d in enumerate(everyone) if d != everyone[0]]
+    if odd:
+        raise RankMismatchError(
+            f"tensor parallelism: tp ranks {odd} split another model or plan than tp rank 0 "
+            "(their layouts or plans differ); build the same model with the same tp_plan "
+            "on every rank"
+        )
     state = torch.get_rng_state()
-    dist.broadcast(state, _root(fm), group=fm.tp.group)
+    dist.broadcast(state, _root(fm), group=tp.group)
     torch.set_rng_state(state)
     if device.type == "cuda":
         cuda = torch.cuda.get_rng_state(device).to(device)
-        dist.broadcast(cuda, _root(fm), group=fm.tp.group)
+        dist.broadcast(cuda, _root(fm), group=tp.group)
         torch.cuda.set_rng_state(cuda.cpu(), device)
 
 

@@ -38,7 +38,7 @@ from .setup import (
 )
 from .shards import LocalShards, MemoryStats
 from .teardown import teardown
-from .tp import check_tp, clip_tp, sync_replicated, sync_rng, tp_in_sync
+from .tp import agree_tp, check_tp, clip_tp, sync_replicated, tp_in_sync
 from .units import Unit, UnitSpec
 
 __all__ = ["CommStats", "DistributedTrainer"]
@@ -172,7 +172,7 @@ class DistributedTrainer:
         # anything is allocated), bind (initializing meta weights), broadcast from src.
         self._mode.prepare(fm)
         token = check_same_model(fm, self._mode, self._group, self.device, src)
-        sync_rng(fm, self.device)  # tensor parallel: the tp ranks draw alike (init, dropout)
+        agree_tp(fm, self.device)  # tensor parallel: same split; tp ranks draw alike
         self._params = self._mode.adopt(fm, self.device, self._group, src, init_fn, self._cut)
         self._flat = fm.flat_param
         with fm.meta_buffers.preserved():  # src's zeros are no value: still unwritten
