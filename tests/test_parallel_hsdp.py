@@ -248,7 +248,7 @@ def test_bad_meshes_raise_clearly(tmp_path):
     for seen in run_distributed(_errors, 4, str(tmp_path), timeout=120):
         assert len(seen) == 3, seen
         assert "pass mesh= or process_group=, not both" in seen[0]
-        assert "tp=2 is not implemented by DistributedTrainer yet" in seen[1]
+        assert "tp=2, but the FlatParamModule is not split" in seen[1]
         assert "mesh: expected a torchshard Mesh" in seen[2]
 
 
