@@ -338,3 +338,21 @@ def _plans_differ() -> str:
 def test_tp_ranks_that_split_differently_raise_on_every_rank() -> None:
     for msg in run_distributed(_plans_differ, 2, timeout=60):
         assert "tp ranks [1] split another model or plan" in msg
+
+
+def _whole_state_dict_in() -> float:
+    torch.set_default_dtype(torch.float64)
+    mesh = torchshard.init_mesh(tp=2)
+    ref = _reference()
+    with torch.device("meta"):
+        model = GPT(CFG)
+    fm = torchshard.FlatParamModule(model, tp_plan=TP_PLAN, mesh=mesh)
+    fm.bind(torch.full((fm.numel,), float("nan")))
+    fm.load_state_dict(ref.state_dict())  # whole pretrained tensors: each rank its piece
+    ((x, y),) = _batches(1, 2)
+    return (fm(x, y)[0] - ref(x, y)[0]).abs().max().item()
+
+
+def test_a_whole_state_dict_loads_into_the_pieces() -> None:
+    for diff in run_distributed(_whole_state_dict_in, 2, timeout=60):
+        assert diff <= 1e-12

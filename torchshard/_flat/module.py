@@ -383,13 +383,16 @@ class FlatParamModule(nn.Module):
 
     # -- state dict: the wrapped module's own keys ------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The wrapped module's state dict (its own keys, no ``module.`` prefix)."""
+        """The wrapped module's state dict (its own keys, no ``module.`` prefix); with
+        tensor parallelism, this rank's pieces (whole tensors: ``torchshard.checkpoint``)."""
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Copy a plain model's state dict into the views (never rebinds)."""
+        """Copy a plain model's state dict into the views (never rebinds). With tensor
+        parallelism a whole tensor of a split parameter (e.g. pretrained weights) gives
+        this rank its piece; a piece's shape is taken as it is."""
         if assign:
             raise TorchShardError(
                 "load_state_dict(assign=True) would replace the views into the flat buffer; "
@@ -397,6 +400,8 @@ class FlatParamModule(nn.Module):
             )
         if any(p.device.type == "meta" for p in self.module.parameters()):
             self._require_bound("load_state_dict()")
+        if self.tp is not None:
+            state_dict = self.tp.localize(state_dict)
         return self.module.load_state_dict(state_dict, strict=strict)
 
     def _load_from_state_dict(

@@ -71,6 +71,17 @@ class TensorParallel:
         """Each split slot's :class:`Split`, by its first name."""
         return {s.name: p for s, p in zip(self.whole.slots, self.splits) if p is not None}
 
+    def localize(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with each whole tensor of a split parameter (under any of its
+        names) replaced by this rank's piece; everything else as it is."""
+        out = dict(state_dict)
+        for slot, split in zip(self.whole.slots, self.splits):
+            for name in slot.names if split is not None else ():
+                t = out.get(name)
+                if isinstance(t, torch.Tensor) and tuple(t.shape) == slot.shape:
+                    out[name] = split.take(t, self.rank, self.size)
+        return out
+
     def whole_shape(self, index: int) -> tuple[int, ...]:
         return self.whole.slots[index].shape
 
