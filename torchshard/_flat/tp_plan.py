@@ -209,7 +209,7 @@ def _check_heads(model: nn.Module, tp: int) -> None:
         config = getattr(m, "config", None)
         for holder, keys in (
             (config, ("num_attention_heads", "num_key_value_heads")),
-            (m, ("n_head", "num_heads")),
+            (m, ("n_head", "n_heads", "num_heads")),
         ):
             for key in keys:
                 n = getattr(holder, key, None) if holder is not None else None
