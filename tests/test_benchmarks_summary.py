@@ -468,11 +468,11 @@ def test_the_fully_sharded_mode_is_measured_only_where_it_runs(tree: Path) -> No
     results = measured_in(tree)
     assert "torchshard/_parallel/full.py" not in results["trainer"]["measured"]
     write(tree, "torchshard/_parallel/full.py", "v2\n")
-    full_mode = {"sharded", "full", "hsdp", "lora", "mixed"}
+    full_mode = {"sharded", "full", "hsdp", "lora", "mixed", "tp"}
     assert stale_names(freshness.stale(results, tree)) == full_mode
     write(tree, "torchshard/_parallel/x.py", "v2\n")  # the trainer core: every mode
     problems = freshness.stale(results, tree)
-    want = {"trainer", "sharded", "full", "hsdp", "comm", "checkpoint", "lora", "mixed"}
+    want = {"trainer", "sharded", "full", "hsdp", "comm", "checkpoint", "lora", "mixed", "tp"}
     assert stale_names(problems) == want, problems  # not the convergence runs: see below
 
 
@@ -490,7 +490,7 @@ def test_a_module_that_becomes_a_package_is_still_measured(tree: Path) -> None:
     write(tree, "torchshard/_parallel/full/__init__.py", "v1\n")
     write(tree, "torchshard/_parallel/full/storage.py", "v1\n")
     problems = freshness.stale(results, tree)
-    assert stale_names(problems) == {"sharded", "full", "hsdp", "lora", "mixed"}, problems
+    assert stale_names(problems) == {"sharded", "full", "hsdp", "lora", "mixed", "tp"}, problems
     sharded = next(p for p in problems if p.startswith("sharded.json"))
     assert "torchshard/_parallel/full.py (gone)" in sharded
     assert "torchshard/_parallel/full/storage.py (new)" in sharded
@@ -532,7 +532,7 @@ def test_no_git_is_needed(tree: Path, tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("PATH", str(tmp_path))  # no git on PATH; the tree is no repository
     assert freshness.stale(results, tree) == []
     write(tree, "examples/gpt.py", "v2\n")  # every benchmark of the example's GPT
-    not_gpt = {"scale", "lora", "mixed"}
+    not_gpt = {"scale", "lora", "mixed", "tp"}
     every = {*summary.FILES, *summary.SLOW}
     assert stale_names(freshness.stale(results, tree)) == every - not_gpt
 

@@ -69,6 +69,9 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "lora": ("benchmarks/bench_lora.py", *_ALL_MODES, "benchmarks/_common.py", _STEPS),
     # a transformers Llama in bf16 with fp32 norms (not hashed, as torch is not), every mode
     "mixed": ("benchmarks/bench_mixed.py", *_ALL_MODES, "benchmarks/_common.py", _STEPS),
+    # tensor parallelism against DTensor TP and FSDP2 + TP on torch's test Transformer (torch's
+    # own model: not hashed, as torch is not), every mode over a (dp, tp) mesh
+    "tp": ("benchmarks/bench_tp.py", *_ALL_MODES, "benchmarks/_common.py"),
     # SLOW (about 12 minutes): the example's whole runs, without checkpoints (--ckpt-dir '').
     # What it certifies is each comm's effect on the loss, so it holds the comms' own path
     # (the choices, the bucket comms, the reducer that drives them, the buckets they cut)

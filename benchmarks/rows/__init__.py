@@ -6,7 +6,7 @@ A new benchmark adds its module here and its rows to :data:`ROWS`, in table orde
 
 from __future__ import annotations
 
-from . import checkpoint, comm, flat, full, hsdp, lora, mixed, scale, sharded, trainer
+from . import checkpoint, comm, flat, full, hsdp, lora, mixed, scale, sharded, tp, trainer
 
 ROWS = (
     *flat.ROWS,
@@ -14,6 +14,7 @@ ROWS = (
     *sharded.ROWS,
     *full.ROWS,
     *hsdp.ROWS,
+    *tp.ROWS,
     *comm.ROWS,
     *checkpoint.ROWS,
     *lora.ROWS,
