@@ -49,11 +49,11 @@ def test_train_gpt_tp2_trains_as_data_parallel_over_the_other_ranks(mode, extra)
 
 
 def small_llama(tmp_path) -> list[str]:
-    """``--config`` of a Llama smaller than the example's (2 layers of width 32)."""
+    """``--init-from`` a Llama smaller than the example's (2 layers of width 32, a tied head),
+    saved by transformers from a random init."""
     import transformers
 
-    path = tmp_path / "config.json"
-    transformers.LlamaConfig(
+    config = transformers.LlamaConfig(
         vocab_size=256,
         hidden_size=32,
         intermediate_size=64,
@@ -62,13 +62,17 @@ def small_llama(tmp_path) -> list[str]:
         num_key_value_heads=2,
         max_position_embeddings=64,
         tie_word_embeddings=True,
-    ).to_json_file(path)
-    return ["--config", str(path)]
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    return ["--init-from", str(tmp_path / "llama")]
 
 
 def test_finetune_hf_tp2_trains_as_data_parallel_over_the_other_ranks(tmp_path):
-    """4 ranks, --tp 2 (tp_plan="auto" on a Llama with a tied head): the 2-rank data-parallel
-    run's losses up to float32 rounding, the same on every rank."""
+    """4 ranks, --tp 2 (tp_plan="auto"), from a from_pretrained directory (read by data-parallel
+    rank 0's tp ranks, each keeping its piece; broadcast to the other data-parallel rank):
+    the 2-rank data-parallel run's losses up to float32 rounding, the same on every rank.
+    (The meta-built random init under TP: tests/test_tp_hf.py.)"""
     needs_hf()
     fine = [*FINE, *small_llama(tmp_path), "--shard"]
     tp = run_distributed(_main, 4, "finetune_hf", [*fine, "--tp", "2"])
@@ -159,7 +163,7 @@ def test_finetune_hf_tp2_resumes_at_another_tp_degree(tmp_path):
     from torchshard.checkpoint._tools import consolidate
 
     a, b = tmp_path / "a", tmp_path / "b"
-    fine = [*FINE[:-2], "--save-every", "2"]  # FINE without --ckpt-dir ''
+    fine = [*FINE[:-2], *small_llama(tmp_path), "--save-every", "2"]  # no --ckpt-dir ''
     two = ("--standalone", "--nproc-per-node", "2")
     whole = run(torchrun(*two, FINETUNE, *fine, "--tp", "2", "--ckpt-dir", str(b)))
     run(torchrun(*two, FINETUNE, *fine, "--tp", "2", "--ckpt-dir", str(a), "--stop-at", "2"))
