@@ -48,6 +48,24 @@ def test_train_gpt_tp2_trains_as_data_parallel_over_the_other_ranks(mode, extra)
     assert tp[0] == pytest.approx(dp[0], abs=2e-4), (tp, dp)
 
 
+@pytest.mark.slow
+def test_train_gpt_tp2_under_torchrun_logs_its_mesh_and_learns():
+    """The documented launch: torchrun, 4 processes, --tp 2 with 2 replicas of a fully
+    sharded group of one; rank 0 alone logs, the loss falls, evaluation ends the run."""
+    four = ("--standalone", "--nproc-per-node", "4")
+    args = [*GPT, "--steps", "12", "--log-every", "4", "--ckpt-dir", ""]
+    text = run(
+        torchrun(*four, TRAIN_GPT, *args, "--tp", "2", "--shard", "full", "--dp-replicate", "2")
+    )
+    assert (
+        "world 4 on cpu, fully sharded (hybrid: 2 replicas x 1 shards, tensor parallel: "
+        "2 data-parallel x tp 2)" in text
+    ), text
+    losses = logged_losses(text)
+    assert list(losses) == [4, 8, 12] and losses[12] < losses[4], text
+    assert text.count("done: first logged loss") == 1, text
+
+
 def small_llama(tmp_path) -> list[str]:
     """``--init-from`` a Llama smaller than the example's (2 layers of width 32, a tied head),
     saved by transformers from a random init."""
