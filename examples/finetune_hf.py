@@ -29,6 +29,10 @@ Nothing is downloaded.
     torchrun --standalone --nproc-per-node 2 examples/finetune_hf.py \\
         --init-from runs/finetune_hf-model --ckpt-dir runs/finetune_hf-2 --shard
 
+    # tensor parallelism: the model's own plan (tp_plan="auto": transformers' base_model_tp_plan
+    # and _tp_plan) over 2 ranks, data-parallel over the other 2
+    torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --tp 2 --shard
+
     # accelerate's launcher sets the same environment as torchrun
     accelerate launch --multi_gpu --num_processes 2 examples/finetune_hf.py --ckpt-dir runs/finetune_hf-acc
 
@@ -53,15 +57,20 @@ from accelerate import init_empty_weights
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_gpt import (
     HelpFormatter,
+    data_rank,
     decided_by_rank0,
+    describe_mesh,
     forever,
     get_batch,
     load_corpus,
     load_data_state,
     make_loader,
+    make_mesh,
     overwrite_or_resume,
     parse_quietly,
+    rank0_speaks,
     run_reporting_once,
+    split_model,
 )
 
 import torchshard
@@ -103,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size",
         type=int,
         default=12,
-        help="sequences per step, all ranks together (the global batch; the world size\n"
-        "must divide it)",
+        help="sequences per step, all ranks together (the global batch; the data-parallel\n"
+        "size, world / --tp, must divide it)",
     )
     p.add_argument(
         "--num-workers", type=int, default=1, help="DataLoader worker processes per rank (0: none)"
@@ -118,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=25,
         help="log the loss every N steps (its mean over the ranks and those N steps)",
     )
-    p.add_argument("--ckpt-dir", default="runs/finetune_hf", help="checkpoint root")
+    p.add_argument("--ckpt-dir", default="runs/finetune_hf", help="checkpoint root ('' for none)")
     p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps")
     p.add_argument(
         "--resume",
@@ -144,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="delete the checkpoints of an earlier run first"
     )
     p.add_argument("--shard", action="store_true", help="FSDP-lite: sharded optimizer state")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="T",
+        help="tensor parallelism over T consecutive ranks with the model's own plan\n"
+        "(tp_plan='auto': transformers' base_model_tp_plan, e.g. Llama's; GPT-2 declares\n"
+        "none); data parallelism over world/T ranks; T must divide the heads",
+    )
     p.add_argument("--bf16", action="store_true", help="bf16 weights (with --shard: fp32 master)")
     p.add_argument(
         "--gradient-checkpointing", action="store_true", help="recompute activations in backward"
@@ -170,11 +188,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return parse_quietly(build_parser(), argv)
+    parser = build_parser()
+    args = parse_quietly(parser, argv)
+    problem = None
+    if args.tp < 1:
+        problem = f"expected a number of ranks >= 1, got {args.tp}"
+    elif args.tp > 1 and args.lora_rank:
+        problem = "LoRA adapters are not split: --lora-rank needs --tp 1"
+    if problem:
+        with rank0_speaks():
+            parser.error(f"argument --tp: {problem}")
+    return args
 
 
 def build_model(args: argparse.Namespace, rank: int) -> torch.nn.Module:
-    """Weights from disk on rank 0 only; elsewhere built without storage (rank 0's are broadcast)."""
+    """Weights from disk on data-parallel rank 0 only (under --tp, each of its tensor-parallel
+    ranks keeps its piece); elsewhere built without storage (rank 0's are broadcast)."""
     if args.init_from:
         config = transformers.AutoConfig.from_pretrained(args.init_from)
         if rank == 0:
@@ -212,8 +241,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # Rank 0 logs; the others, whose lines would repeat its own, say nothing.
     handler = logging.StreamHandler() if info.rank == 0 else logging.NullHandler()
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[handler])
-    ckpt = torchshard.checkpoint.Checkpointer(args.ckpt_dir, keep_last=2)
-    latest = decided_by_rank0(ckpt.latest, info.device)  # one answer for every rank
+    ckpt = torchshard.checkpoint.Checkpointer(args.ckpt_dir, keep_last=2) if args.ckpt_dir else None
+    # one answer for every rank
+    latest = decided_by_rank0(ckpt.latest if ckpt else lambda: None, info.device)
     args.resume = args.resume or args.resume_from is not None
     if not args.resume and not args.overwrite and latest is not None:  # never lose a run
         if info.rank == 0:
@@ -227,18 +257,22 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     transformers.logging.set_verbosity_error()
 
     train, val = load_corpus()
+    mesh = make_mesh(1, args.tp)  # --tp: the tensor-parallel groups, data-parallel across
+    # the data-parallel ranks' parts of each global batch (under --tp: the tensor-parallel
+    # ranks of a group read the same part)
+    place = data_rank(mesh)
     sampler, loader = make_loader(
-        train, args.block_size, args.batch_size, args.seed, args.num_workers, info.device
+        train, args.block_size, args.batch_size, args.seed, args.num_workers, info.device, **place
     )
     torch.manual_seed(args.seed)
-    model = build_model(args, info.rank)
+    model = build_model(args, place.get("rank", info.rank))
     if args.gradient_checkpointing:  # transformers 5 renamed gradient_checkpointing_enable
         enable = getattr(model, "activation_checkpointing_enable", None)
         (enable or model.gradient_checkpointing_enable)()
     if args.lora_rank:
         model = with_lora(model, args.lora_rank, args.lora_targets.split(","))
-    fm = torchshard.FlatParamModule(model, dtype=torch.bfloat16 if args.bf16 else None)
-    trainer = torchshard.DistributedTrainer(fm, device=info.device, shard=args.shard)
+    fm = split_model(model, "auto", mesh, dtype=torch.bfloat16 if args.bf16 else None)
+    trainer = torchshard.DistributedTrainer(fm, device=info.device, mesh=mesh, shard=args.shard)
     opt = trainer.make_optimizer(
         torch.optim.AdamW,
         lr=args.lr,
@@ -255,13 +289,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if start >= args.steps:
         log.info("already at step %d of %d: nothing to train (raise --steps)", start, args.steps)
     log.info(
-        "%s, %.2fM parameters (%d train), world %d on %s, %s",
+        "%s, %.2fM parameters (%d train%s), world %d on %s, %s%s",
         type(model).__name__,
-        fm.layout.param_numel / 1e6,
+        (fm.layout if fm.tp is None else fm.tp.whole).param_numel / 1e6,
         fm.layout.grad_layout.param_numel,
+        "" if fm.tp is None else " on this rank",
         info.world_size,
         info.device,
         "sharded" if args.shard else "replicated",
+        describe_mesh(mesh),
     )
 
     # The loss summed on the device since the last log, read (a host sync) only at log steps.
@@ -289,14 +325,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             log.info("step %4d  loss %.4f  lr %.3g", step, last_loss, lr)
             loss_sum.zero_()
             n_summed = 0
-        if step % args.save_every == 0 or step == last:
+        if ckpt is not None and (step % args.save_every == 0 or step == last):
             extra = {
                 "world_size": info.world_size,
+                "tp": args.tp,
                 "loss": last_loss if math.isfinite(last_loss) else None,  # JSON has no NaN
                 "data": sampler.state_dict(),
             }
             ckpt.save(trainer, step=step, optimizer=opt, extra=extra)
-    ckpt.close()
+    if ckpt is not None:
+        ckpt.close()
 
     fm.eval()
     with torch.no_grad():
@@ -306,16 +344,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         prompt = torch.tensor([list(b"def ")], device=info.device)
         out = model.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=0)
     sample = bytes(out[0].tolist()).decode("utf-8", "replace")
-    if args.lora_rank:  # PEFT's own format: PeftModel.from_pretrained(base, path) loads it
+    # PEFT's own format: PeftModel.from_pretrained(base, path) loads it
+    if args.lora_rank and args.ckpt_dir:
         path = Path(args.ckpt_dir) / "adapter"
         with trainer.gathered():
             if info.rank == 0:
                 model.save_pretrained(path)
         log.info("adapters (PEFT format): %s", path)
     log.info("validation loss %.4f; greedy sample: %r", val_loss, sample)
-    log.info(
-        "checkpoints: %s", ", ".join(p.name for p in sorted(Path(args.ckpt_dir).glob("step-*")))
-    )
+    if ckpt is not None:
+        log.info(
+            "checkpoints: %s",
+            ", ".join(p.name for p in sorted(Path(args.ckpt_dir).glob("step-*"))),
+        )
     trainer.close()
     return {"val_loss": val_loss, "last_loss": last_loss}
 

@@ -40,6 +40,10 @@ continues the epoch exactly (docs/data.md).
     # nodes, say); its checkpoints resume at any world size, mesh or mode
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --shard --dp-replicate 2
 
+    # tensor parallelism: each block's layers split over 2 ranks (gpt.py's TP_PLAN, Megatron's
+    # split), data-parallel over the other 2 with any --shard mode (--dp-replicate too)
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --tp 2 --shard
+
     # gradient compression on a slow link: PowerSGD of rank 4 (dense for the first 10 steps;
     # also bf16, fp16, star, topk:0.01); the log shows the bytes sent per step
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --comm powersgd:4
@@ -80,7 +84,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, GPTConfig, init_gpt_weights
+from gpt import GPT, TP_PLAN, GPTConfig, init_gpt_weights
 
 import torchshard
 import torchshard.checkpoint
@@ -132,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=24,
         help="sequences per micro-batch, all ranks together (the global batch;\n"
-        "the world size must divide it)",
+        "the data-parallel size, world / --tp, must divide it)",
     )
     p.add_argument(
         "--grad-accum", type=int, default=1, help="micro-batches (global batches) per step"
@@ -216,6 +220,16 @@ def build_parser() -> argparse.ArgumentParser:
         "R replicas of them (torchshard.init_mesh(dp_replicate=R)); 1: shard over\n"
         "every rank",
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="T",
+        help="tensor parallelism: split each block's layers, the embedding and the head over\n"
+        "T consecutive ranks (gpt.py's TP_PLAN; torchshard.init_mesh(tp=T)); the data\n"
+        "parallelism (any --shard mode, --dp-replicate) runs over world/T ranks; T must\n"
+        "divide the heads and the vocabulary (256)",
+    )
     p.add_argument("--bf16", action="store_true", help="bf16 weights (with --shard: fp32 master)")
     p.add_argument(
         "--comm",
@@ -245,6 +259,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if problem:
         with rank0_speaks():
             parser.error(f"argument --dp-replicate: {problem}")
+    if args.tp < 1:
+        with rank0_speaks():
+            parser.error(f"argument --tp: expected a number of ranks >= 1, got {args.tp}")
     if args.comm is not None:
         try:  # torchshard checks the value (a rank >= 1, a ratio in (0, 1]) before any launch
             args.comm_object = make_comm(args.comm)
@@ -379,17 +396,52 @@ def make_loader(
     return sampler, loader
 
 
-def make_mesh(replicas: int) -> torchshard.Mesh | None:
-    """``--dp-replicate``: the mesh of ``replicas`` replicas of shard groups (``None`` for 1:
-    the trainer shards over every rank). Exits with the reason where it does not fit the
-    world size (every rank alike)."""
-    if replicas == 1:
+def make_mesh(replicas: int, tp: int = 1) -> torchshard.Mesh | None:
+    """``--dp-replicate``, ``--tp``: the mesh of ``replicas`` replicas of shard groups, each
+    rank's tensor-parallel group the ``tp`` consecutive ranks (``None`` for 1 and 1: the
+    trainer shards over every rank). Exits with the reason where it does not fit the world
+    size (every rank alike)."""
+    if replicas == 1 and tp == 1:
         return None
     try:
-        return torchshard.init_mesh(dp_replicate=replicas)
+        return torchshard.init_mesh(dp_replicate=replicas, tp=tp)
     except torchshard.MeshError as e:
         dist.barrier()  # every rank fails alike; none leaves while a peer still connects
-        raise SystemExit(f"--dp-replicate {replicas}: {e}") from e
+        flags = [f"--dp-replicate {replicas}"] * (replicas > 1) + [f"--tp {tp}"] * (tp > 1)
+        raise SystemExit(f"{' '.join(flags)}: {e}") from e
+
+
+def split_model(model, plan, mesh: torchshard.Mesh | None, **kwargs) -> torchshard.FlatParamModule:
+    """``FlatParamModule(model, **kwargs)``, split by ``plan`` over ``mesh.tp`` where the mesh
+    has ``tp > 1``. Exits with the reason where the plan does not fit (heads, vocabulary
+    that the degree does not divide): every rank alike, before any step."""
+    if mesh is None or mesh.tp_size == 1:
+        return torchshard.FlatParamModule(model, **kwargs)
+    try:
+        return torchshard.FlatParamModule(model, tp_plan=plan, mesh=mesh, **kwargs)
+    except torchshard.TPPlanError as e:
+        dist.barrier()  # every rank fails alike; none leaves while a peer still connects
+        raise SystemExit(f"--tp {mesh.tp_size}: {e}") from e
+
+
+def data_rank(mesh: torchshard.Mesh | None) -> dict[str, int]:
+    """This rank's place among the data-parallel ranks, as ``make_loader``'s keywords: the
+    mesh's ``dp_rank`` and ``dp_size`` (the tensor-parallel ranks of a group read the same
+    batches; under hybrid sharding every rank is a data-parallel rank); without a mesh
+    none (the default process group's rank and size)."""
+    return {} if mesh is None else {"rank": mesh.dp_rank, "world_size": mesh.dp_size}
+
+
+def describe_mesh(mesh: torchshard.Mesh | None) -> str:
+    """For the log: `` (hybrid: 2 replicas x 2 shards)``, `` (tensor parallel: 2
+    data-parallel x tp 2)``, both, or ``""``."""
+    if mesh is None:
+        return ""
+    replicas, shards, tp = mesh.shape
+    parts = [f"hybrid: {replicas} replicas x {shards} shards"] if replicas > 1 else []
+    if tp > 1:
+        parts.append(f"tensor parallel: {mesh.dp_size} data-parallel x tp {tp}")
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def load_data_state(sampler: torchshard.GlobalBatchSampler, extra: dict, reset: bool) -> None:
@@ -515,10 +567,12 @@ def resume(
     except torchshard.checkpoint.CheckpointError as e:
         raise SystemExit(f"{Path(sys.argv[0]).stem}: cannot resume: {e}") from e
     loss = resumed.extra.get("loss")
+    tp = resumed.extra.get("tp", 1)
     log.info(
-        "resumed from %s (saved at world size %s, loss %s)",
+        "resumed from %s (saved at world size %s%s, loss %s)",
         resumed.path,
         resumed.extra.get("world_size", "-"),
+        f", tp {tp}" if tp > 1 else "",
         "-" if loss is None else f"{loss:.4f}",
     )
     if ckpt is not None:
@@ -640,10 +694,11 @@ def main(argv: list[str] | None = None) -> float:
     torch.manual_seed(args.seed)
     with torch.device("meta"):
         model = GPT(cfg)
-    fm = torchshard.FlatParamModule(model, dtype=torch.bfloat16 if args.bf16 else None)
+    mesh = make_mesh(args.dp_replicate, args.tp)
+    # --tp: each rank lays out its own pieces; the one-process init, sliced (bitwise)
+    fm = split_model(model, TP_PLAN, mesh, dtype=torch.bfloat16 if args.bf16 else None)
     if args.bucket_mb is None:
         args.bucket_mb = 25.0 if info.device.type == "cuda" else 1.0
-    mesh = make_mesh(args.dp_replicate)
     comm = {} if args.comm is None else {"comm": args.comm_object}
     try:
         trainer = torchshard.DistributedTrainer(
@@ -661,7 +716,8 @@ def main(argv: list[str] | None = None) -> float:
     except torchshard.CommError as e:  # a comm this mode does not run: every rank alike
         dist.barrier()
         raise SystemExit(f"--comm {args.comm.text}: {e}") from e
-    # the data-parallel ranks' parts of each global batch (under hybrid sharding: every rank)
+    # the data-parallel ranks' parts of each global batch (under hybrid sharding: every rank;
+    # under --tp: the tensor-parallel ranks of a group read the same part)
     sampler, loader = make_loader(
         train,
         args.block_size,
@@ -669,8 +725,7 @@ def main(argv: list[str] | None = None) -> float:
         args.seed,
         args.num_workers,
         info.device,
-        rank=trainer.rank,
-        world_size=trainer.world_size,
+        **data_rank(mesh),
     )
 
     # No weight decay for biases, LayerNorms and position embeddings; the same groups in
@@ -697,8 +752,8 @@ def main(argv: list[str] | None = None) -> float:
         info.world_size,
         info.device,
         {None: "replicated", "optimizer": "sharded", "full": "fully sharded"}[args.shard]
-        + (f" (hybrid: {args.dp_replicate} replicas x {mesh.shape[1]} shards)" if mesh else ""),
-        fm.layout.param_numel / 1e6,
+        + describe_mesh(mesh),
+        (fm.layout if fm.tp is None else fm.tp.whole).param_numel / 1e6,
         len(train) + len(val),
         trainer.stats.buckets,
         "units" if args.shard == "full" else f"buckets of {args.bucket_mb:g} MiB",
@@ -779,6 +834,7 @@ def main(argv: list[str] | None = None) -> float:
             # The data position: world-size free, the same on every rank, JSON.
             extra = {
                 "world_size": info.world_size,
+                "tp": args.tp,
                 "loss": mean_loss if math.isfinite(mean_loss) else None,  # JSON has no NaN
                 "data": sampler.state_dict(),
                 "elapsed_s": elapsed + time.perf_counter() - t_start,  # training time so far

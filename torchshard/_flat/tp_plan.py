@@ -113,7 +113,15 @@ def matches(glob: str, name: str) -> bool:
 
 def auto_plan(model: nn.Module) -> dict[str, str]:
     """A transformers model's own plan: its config's ``base_model_tp_plan`` under the base
-    model's prefix, and the model's ``_tp_plan`` (e.g. ``lm_head``)."""
+    model's prefix, and the model's ``_tp_plan`` (e.g. ``lm_head``). An ``nn.Embedding``
+    that no glob names but whose weight is tied to one the plan splits by vocabulary (a
+    ``colwise`` head) gets ``"embedding_rowwise"``, as transformers 5 adds to its own plans
+    (older plans name only the head, and the tied pair would get different splits).
+
+    Example::
+
+        auto_plan(llama)["model.embed_tokens"]   # "embedding_rowwise"
+    """
     config = getattr(model, "config", None)
     base = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not base and not getattr(model, "_tp_plan", None):
@@ -125,7 +133,28 @@ def auto_plan(model: nn.Module) -> dict[str, str]:
     inner = prefix and isinstance(getattr(model, prefix, None), nn.Module)
     plan = {(f"{prefix}.{k}" if inner else k): v for k, v in base.items()}
     plan.update(dict(getattr(model, "_tp_plan", None) or {}))
-    return plan
+    return _split_tied_embeddings(model, plan)
+
+
+def _split_tied_embeddings(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` and ``"embedding_rowwise"`` for each unnamed ``nn.Embedding`` tied to a weight
+    that a ``colwise`` style splits by rows (its vocabulary)."""
+
+    def style(name: str) -> str | None:
+        return next((s for g, s in plan.items() if matches(g, name)), None)
+
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        p = m._parameters.get("weight")
+        if p is not None and mname:
+            owners.setdefault(id(p), []).append((mname, m))
+    out = dict(plan)
+    for group in owners.values():
+        if any(style(n) in ("colwise", "colwise_gather_output") for n, _ in group):
+            for n, m in group:
+                if type(m) is nn.Embedding and style(n) is None:
+                    out[n] = "embedding_rowwise"
+    return out
 
 
 @dataclass(frozen=True)
