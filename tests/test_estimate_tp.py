@@ -157,3 +157,9 @@ def test_the_table_says_the_mesh_and_the_tp_traffic(tiny, capsys):
     assert "tp group (2 ranks, within a node), per token of a rank's micro-batch" in out
     # 4 data-parallel ranks, 2 a node
     assert "data-parallel group (4 ranks, 2 nodes)" in out
+    assert main(["estimate", *argv, "--dp-replicate", "2"]) == 0
+    out = capsys.readouterr().out  # shard group {0, 1} of dp ranks: global {0, 2}, one node
+    assert (
+        "dp_replicate 2 x dp_shard 2 (shard groups: 2 data-parallel ranks, 2 apart, within a node"
+        in out
+    )

@@ -65,7 +65,8 @@ def _nodes(n: int | None) -> str:
 
 def _hsdp_line(r: MemoryEstimate) -> str:
     """The mesh: ``dp_replicate x dp_shard``, and where its groups lie."""
-    shard, across = f"{r.dp_shard} consecutive ranks", f"{r.dp_replicate} ranks"
+    consecutive = "consecutive ranks" if r.tp == 1 else f"data-parallel ranks, {r.tp} apart"
+    shard, across = f"{r.dp_shard} {consecutive}", f"{r.dp_replicate} ranks"
     if r.dp_per_node is not None:
         groups, replicas = node_spans(r.dp_size, r.dp_shard, r.dp_per_node)
         shard += _nodes(groups)
