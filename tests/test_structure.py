@@ -47,8 +47,11 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_flat.layout",
         "_parallel.footprint",
         "_parallel.modes",
+        "_parallel.tpcost",
         "_parallel.units",
     },
+    # tensor parallelism in the planners: a whole layout split by a plan, by name
+    "_parallel.tpcost": {"_flat.layout", "_flat.tp_plan", "_parallel.footprint"},
     # the registry: the one module that names the modes
     "_parallel.modes": {
         "_errors",
@@ -66,6 +69,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_parallel.footprint",
         "_parallel.memory",
         "_parallel.modes",
+        "_parallel.tpcost",
         "_parallel.units",
     },
     "_parallel.comm": {"_errors", "_parallel.buckets"},
@@ -335,8 +339,10 @@ ROOT = {  # shared ground floor, and the tools above the wings
         "_estimate.model",
         "_estimate.trainable",
         "_flat.layout",
+        "_parallel.footprint",
         "_parallel.memory",
         "_parallel.modes",
+        "_parallel.tpcost",
         "_parallel.traffic",
         "_parallel.units",
     },
@@ -347,11 +353,14 @@ ROOT = {  # shared ground floor, and the tools above the wings
         "_parallel.traffic",
     },
     "_estimate.command": {
+        "_errors",
         "_estimate.estimate",
         "_estimate.model",
         "_estimate.table",
         "_estimate.trainable",
+        "_flat.tp_plan",
         "_parallel.modes",
+        "_parallel.tpcost",
         "_parallel.units",
     },
     "_cli": {

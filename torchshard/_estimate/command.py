@@ -7,13 +7,19 @@ The modes it offers (``--replicated``, ``--shard``, ...) are the registry's
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from .._errors import TorchShardError
+from .._flat.tp_plan import resolve_plan
 from .._parallel.modes import MODES
+from .._parallel.tpcost import tp_layout
 from .._parallel.units import resolve_units
 from .estimate import DTYPES, OPTIMIZERS, estimate_memory
 from .model import EstimateError, build_factory, build_hf_model, is_factory, layout_of
@@ -149,6 +155,22 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="ranks per node: say which groups' traffic crosses nodes (prints the per-step "
         "communication)",
     )
+    p.add_argument(
+        "--tp",
+        type=_positive_int,
+        default=1,
+        metavar="T",
+        help="tensor parallelism, init_mesh(tp=T): each rank holds 1/T of every parameter the "
+        "plan splits; N counts every rank (N / T data-parallel); T divides the heads, the kv "
+        "heads and G (default: 1)",
+    )
+    p.add_argument(
+        "--tp-plan",
+        default="auto",
+        metavar="PLAN",
+        help="with --tp: 'auto' (the transformers model's own plan: q/k/v/o, gate/up/down, "
+        "lm_head), a JSON file {glob: style}, or 'module:NAME' (e.g. gpt:TP_PLAN)",
+    )
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="default: bf16")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default: adamw")
     p.add_argument(
@@ -249,6 +271,54 @@ def trainable_of(args: argparse.Namespace) -> Trainable:
     return Trainable(lora_rank=args.lora_rank, lora_targets=targets, patterns=patterns)
 
 
+def _check_tp(args: argparse.Namespace) -> None:
+    """``--tp`` divides the world size and the node, and goes without LoRA."""
+    t, n, g = args.tp, args.world_size, args.gpus_per_node
+    if n % t:
+        raise EstimateError(
+            f"--tp {t}: expected a divisor of --world-size {n} (N = data-parallel x "
+            "tensor-parallel ranks)"
+        )
+    if g is not None and g % t:
+        raise EstimateError(
+            f"--tp {t}: expected a divisor of --gpus-per-node {g}: a tensor-parallel group "
+            "stays inside a node (its collectives run every layer)"
+        )
+    if t > 1 and args.lora_rank is not None:
+        raise EstimateError(
+            f"--tp {t}: expected no --lora-rank with it: LoRA's wrapped layers are not the "
+            "nn.Linear a tensor-parallel plan splits"
+        )
+
+
+def _tp_styles(model: Any, args: argparse.Namespace) -> dict[str, str] | None:
+    """The plan of ``--tp-plan`` resolved against ``model`` at ``--tp`` ranks (the checks
+    ``FlatParamModule(tp_plan=...)`` makes: heads, kv heads, vocabulary, ties), as each
+    split module's style by name; ``None`` at ``--tp 1``."""
+    if args.tp == 1:
+        return None
+    spec = args.tp_plan
+    try:
+        if spec == "auto":
+            plan: Any = "auto"
+        elif is_factory(spec):
+            mod_name, _, attr = spec.partition(":")
+            if "" not in sys.path:  # as for a factory: modules in the working directory
+                sys.path.insert(0, "")
+            plan = getattr(importlib.import_module(mod_name), attr)
+        else:
+            plan = json.loads(Path(spec).read_text())
+    except (ImportError, AttributeError, OSError, ValueError) as e:
+        raise EstimateError(
+            f"--tp-plan {spec!r}: expected 'auto', a JSON file {{glob: style}} or "
+            f"'module:NAME', got {type(e).__name__}: {e}"
+        ) from None
+    try:
+        return resolve_plan(model, plan, args.tp).styles
+    except TorchShardError as e:
+        raise EstimateError(f"--tp {args.tp}: {e}") from None
+
+
 def run(args: argparse.Namespace) -> str:
     """What ``torchshard estimate`` prints for the parsed ``args``: a table, or JSON.
 
@@ -258,11 +328,16 @@ def run(args: argparse.Namespace) -> str:
     """
     overrides = dict(args.overrides)
     trainable = trainable_of(args)  # checked before the model is built
-    if args.world_size % args.dp_replicate:
-        divisors = [d for d in range(1, args.world_size + 1) if args.world_size % d == 0]
+    _check_tp(args)
+    dp = args.world_size // args.tp
+    if dp % args.dp_replicate:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        of = f"--world-size {args.world_size}" + (
+            f" / --tp {args.tp} = {dp}" if args.tp > 1 else ""
+        )
         raise EstimateError(
-            f"--dp-replicate {args.dp_replicate}: expected a divisor of --world-size "
-            f"{args.world_size} (the shard groups must tile the ranks), one of "
+            f"--dp-replicate {args.dp_replicate}: expected a divisor of {of} (the shard groups "
+            f"must tile the data-parallel ranks), one of "
             f"{', '.join(map(str, divisors[:12]))}{', ...' if len(divisors) > 12 else ''}"
         )
     dtype = DTYPES[args.dtype]
@@ -280,12 +355,16 @@ def run(args: argparse.Namespace) -> str:
     model = trainable.apply(model)  # with LoRA, PEFT's model wrapping it
     chosen = [e for e in MODES if getattr(args, f"mode_{e.name}")] or list(MODES)
     layout = layout_of(model, cast)
+    styles = _tp_styles(model, args)  # None without tensor parallelism
+    local = tp_layout(layout, args.tp, styles)
     report = estimate_memory(
         layout,
         world_size=args.world_size,
+        tp=args.tp,
+        tp_plan=styles,
         modes=tuple(e.alias for e in chosen),
         # the units DistributedTrainer(shard=FullShard(units="auto")) would choose for this model
-        units=resolve_units(model, layout) if any(e.gathers for e in chosen) else None,
+        units=resolve_units(model, local) if any(e.gathers for e in chosen) else None,
         prefetch=args.prefetch,
         reshard_after_forward=args.reshard_after_forward,
         optimizer=args.optimizer,

@@ -7,20 +7,24 @@ world size that fits comes from :func:`bounds` and exact plans, the same memory 
 so does the smallest ``dp_shard`` (a divisor of the world size) at which hybrid sharding fits.
 With ``dp_replicate`` the sharded modes are planned at the shard size, and each mode's
 per-step communication (:func:`plan_comm`) is split into the shard group's and the replicas'.
+With ``tp`` each rank plans the local layout of the split model (:func:`tp_layout`) over
+``world_size // tp`` data-parallel ranks.
 Activations, temporary buffers, the CUDA context and allocator fragmentation are not counted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .._flat.layout import FlatLayout, dtype_name
+from .._parallel.footprint import PlanError
 from .._parallel.memory import OPTIMIZER_STATES, RankMemory, bounds, floor, plan_memory
 from .._parallel.modes import ALIASES, ModeEntry, entry_for, is_alias, listing
+from .._parallel.tpcost import TPTraffic, tp_layout, tp_traffic
 from .._parallel.traffic import CommPlan, plan_comm
 from .._parallel.units import Unit, layout_units
 from .model import EstimateError
@@ -105,7 +109,7 @@ class MemoryEstimate:
     model_class: str
     tensors: int  # unique parameters
     parameters: int  # their elements
-    numel: int  # the flat buffer (with alignment padding): bytes, with several dtypes
+    numel: int  # a rank's flat buffer (with alignment padding): bytes, with several dtypes
     trainable_tensors: int  # the parameters that train (requires_grad)
     trainable_parameters: int  # their elements: what has gradients and optimizer state
     dtype: torch.dtype  # the parameters'; with several, the one most of them have
@@ -123,11 +127,26 @@ class MemoryEstimate:
     dtype_bytes: tuple[tuple[torch.dtype, int, int], ...] = ()
     dp_replicate: int = 1  # hybrid sharding: replicas of each shard group
     gpus_per_node: int | None = None  # ranks per node: which groups cross nodes
+    tp: int = 1  # tensor-parallel ranks: world_size // tp data-parallel ranks
+    tp_activations: TPTraffic = field(
+        default_factory=TPTraffic
+    )  # the split layers' activation bytes per token
+    whole_numel: int = 0  # the whole model's flat buffer (numel: a tp rank's)
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel ranks: ``world_size // tp``."""
+        return self.world_size // self.tp
 
     @property
     def dp_shard(self) -> int:
-        """The ranks a sharded mode cuts its state over: ``world_size // dp_replicate``."""
-        return self.world_size // self.dp_replicate
+        """The ranks a sharded mode cuts its state over: ``dp_size // dp_replicate``."""
+        return self.dp_size // self.dp_replicate
+
+    @property
+    def dp_per_node(self) -> int | None:
+        """Data-parallel ranks a node holds (``gpus_per_node // tp``; None without it)."""
+        return None if self.gpus_per_node is None else self.gpus_per_node // self.tp
 
     @property
     def trainable_bytes(self) -> int:
@@ -187,8 +206,13 @@ class MemoryEstimate:
             "master_dtype": dtype_name(MASTER_DTYPE),
             "optimizer": self.optimizer,
             "world_size": self.world_size,
+            "tp": self.tp,
+            "dp_size": self.dp_size,
             "dp_replicate": self.dp_replicate,
             "dp_shard": self.dp_shard,
+            "whole_numel": self.whole_numel,
+            "tp_forward_per_token": self.tp_activations.forward,
+            "tp_backward_per_token": self.tp_activations.backward,
             "gpus_per_node": self.gpus_per_node,
             "device_memory": self.device_memory,
             "reserve": self.reserve,
@@ -256,6 +280,8 @@ def estimate_memory(
     trainable: Trainable = EVERY_PARAMETER,
     dp_replicate: int = 1,
     gpus_per_node: int | None = None,
+    tp: int = 1,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> MemoryEstimate:
     """Per-rank bytes for training ``layout`` at ``world_size`` in each of ``modes`` (the
     trainer's ``shard`` aliases, by default every mode of the registry), with fp32 master
@@ -271,6 +297,12 @@ def estimate_memory(
     replicated mode is DDP over every rank). ``gpus_per_node``: ranks per node, for which
     groups cross nodes. With ``device_memory``, each sharded mode also names the smallest
     ``dp_shard`` that fits at ``world_size``.
+
+    ``tp``, ``tp_plan``: tensor parallelism, ``init_mesh(tp=T)``: ``layout`` is the whole
+    model's, each rank holds the local layout ``tp_plan`` (module names or globs to styles)
+    gives at ``tp`` ranks, and ``world_size`` counts every rank: ``world_size // tp`` of them
+    data-parallel (``dp_replicate`` divides that). A tp group must fit in a node: ``tp``
+    divides ``gpus_per_node``. ``units`` are the local layout's.
 
     Example::
 
@@ -301,14 +333,16 @@ def estimate_memory(
         raise EstimateError(
             f"reshard_after_forward: expected True or False, got {reshard_after_forward!r}"
         )
-    r = dp_replicate
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1 or world_size % r:
-        raise EstimateError(
-            f"dp_replicate: expected a positive divisor of the world size {world_size}, got {r!r}"
-        )
     g = gpus_per_node
     if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
         raise EstimateError(f"gpus per node: expected a positive integer, got {g!r}")
+    whole, layout, dp = layout, _local(layout, world_size, tp, tp_plan, g), world_size // tp
+    r = dp_replicate
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1 or dp % r:
+        size = "world size" if tp == 1 else f"data-parallel size {world_size} / tp {tp} ="
+        raise EstimateError(
+            f"dp_replicate: expected a positive divisor of the {size} {dp}, got {r!r}"
+        )
     gathers = any(entry_for(m).gathers for m in modes)
     chosen = tuple(layout_units(layout) if units is None else units) if gathers else ()
     budget = None if device_memory is None else int(device_memory * (1.0 - reserve))
@@ -322,28 +356,32 @@ def estimate_memory(
             "prefetch": prefetch,
             "reshard_after_forward": reshard_after_forward,
         }
-        plan = plan_memory(layout, world_size, dp_replicate=dp_replicate, **how)
+        plan = plan_memory(layout, dp, dp_replicate=dp_replicate, **how)
         worst, least = _worst(plan), min(r.total for r in plan)
         low = floor(layout, **how)
-        fit = None if budget is None else _min_world_size(layout, low, budget, max_world_size, how)
+        fit = None
+        if budget is not None:
+            fit = _min_world_size(layout, low, budget, max_world_size // tp, how)
         hybrid = None
         if budget is not None and entry_for(shard).memory.divided and low <= budget:
-            hybrid = _min_shard_size(layout, world_size, budget, how)
+            hybrid = _min_shard_size(layout, dp, budget, how)
         comm = plan_comm(
-            layout,
-            world_size,
+            whole,
+            dp,
             shard=shard,
             dp_replicate=dp_replicate,
             units=chosen if entry_for(shard).gathers else None,
             reshard_after_forward=reshard_after_forward,
             gpus_per_node=gpus_per_node,
+            tp=tp,
+            tp_plan=tp_plan,
         )
         out.append(
             ModeEstimate(
                 shard=shard,
                 worst=worst,
                 spread=worst.total - least,
-                min_world_size=fit,
+                min_world_size=None if fit is None else fit * tp,
                 floor=low,
                 min_shard_size=None if hybrid is None else hybrid[0],
                 min_shard_total=None if hybrid is None else hybrid[1],
@@ -353,12 +391,12 @@ def estimate_memory(
     return MemoryEstimate(
         model=model,
         model_class=model_class,
-        tensors=len(layout),
-        parameters=layout.param_numel,
+        tensors=len(whole),
+        parameters=whole.param_numel,
         numel=layout.numel,
-        trainable_tensors=len(layout.trainable),
-        trainable_parameters=sum(layout.slots[i].numel for i in layout.trainable),
-        dtype=max(layout.dtypes, key=lambda d: sum(s.numel for s in layout if s.torch_dtype == d)),
+        trainable_tensors=len(whole.trainable),
+        trainable_parameters=sum(whole.slots[i].numel for i in whole.trainable),
+        dtype=max(whole.dtypes, key=lambda d: sum(s.numel for s in whole if s.torch_dtype == d)),
         optimizer=optimizer,
         world_size=world_size,
         modes=tuple(out),
@@ -368,10 +406,37 @@ def estimate_memory(
         prefetch=prefetch,
         reshard_after_forward=reshard_after_forward,
         trainable=trainable,
-        dtype_bytes=_dtype_bytes(layout),
+        dtype_bytes=_dtype_bytes(whole),
         dp_replicate=dp_replicate,
         gpus_per_node=gpus_per_node,
+        tp=tp,
+        tp_activations=tp_traffic(whole, tp, tp_plan),
+        whole_numel=whole.numel,
     )
+
+
+def _local(
+    layout: FlatLayout,
+    world_size: int,
+    tp: int,
+    tp_plan: Mapping[str, str] | None,
+    gpus_per_node: int | None,
+) -> FlatLayout:
+    """The layout a tp rank holds, ``tp`` checked to divide the world size and the node."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world_size % tp:
+        raise EstimateError(
+            f"tp: expected a positive divisor of the world size {world_size} (world size = "
+            f"data-parallel x tensor-parallel ranks), got {tp!r}"
+        )
+    if gpus_per_node is not None and gpus_per_node % tp:
+        raise EstimateError(
+            f"tp: expected a divisor of gpus per node {gpus_per_node} (a tensor-parallel group "
+            f"stays inside a node), got {tp}"
+        )
+    try:
+        return tp_layout(layout, tp, tp_plan)
+    except PlanError as e:
+        raise EstimateError(str(e)) from None
 
 
 def _dtype_bytes(layout: FlatLayout) -> tuple[tuple[torch.dtype, int, int], ...]:

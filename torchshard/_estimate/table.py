@@ -53,6 +53,11 @@ def _size(b: int) -> str:
     return f"{b:,} bytes" if scale == 1 else f"{b / scale:,.2f} {unit}"
 
 
+def _per_tp_rank(r: MemoryEstimate) -> str:
+    """``" per tp rank (whole model: N)"`` under tensor parallelism, else nothing."""
+    return f" per tp rank (whole model: {r.whole_numel:,})" if r.tp > 1 else ""
+
+
 def _nodes(n: int | None) -> str:
     """``", within a node"``, ``", 4 nodes"``, or nothing without a node size."""
     return "" if n is None else ", within a node" if n == 1 else f", {n} nodes"
@@ -60,9 +65,10 @@ def _nodes(n: int | None) -> str:
 
 def _hsdp_line(r: MemoryEstimate) -> str:
     """The mesh: ``dp_replicate x dp_shard``, and where its groups lie."""
-    shard, across = f"{r.dp_shard} consecutive ranks", f"{r.dp_replicate} ranks"
-    if r.gpus_per_node is not None:
-        groups, replicas = node_spans(r.world_size, r.dp_shard, r.gpus_per_node)
+    consecutive = "consecutive ranks" if r.tp == 1 else f"data-parallel ranks, {r.tp} apart"
+    shard, across = f"{r.dp_shard} {consecutive}", f"{r.dp_replicate} ranks"
+    if r.dp_per_node is not None:
+        groups, replicas = node_spans(r.dp_size, r.dp_shard, r.dp_per_node)
         shard += _nodes(groups)
         across += _nodes(replicas)
     return (
@@ -88,6 +94,16 @@ def _comm_lines(name: str, c: CommPlan) -> list[str]:
             f"all-reduce {_size(c.bytes_across_replicas)} (ring: {_size(c.replica_sent)} sent)"
         )
     return lines
+
+
+def _tp_lines(r: MemoryEstimate) -> list[str]:
+    """The split layers' activation bytes per token, by way (not in trainer.stats)."""
+    t, where = r.tp_activations, "" if r.gpus_per_node is None else ", within a node"
+    return [
+        f"  {'tp:':<11} tp group ({r.tp} ranks{where}), per token of a rank's micro-batch: "
+        f"forward {_size(t.forward)} in {t.forward_calls} collectives, backward "
+        f"{_size(t.backward)} in {t.backward_calls}"
+    ]
 
 
 def _trainable_line(r: MemoryEstimate) -> str:
@@ -145,16 +161,19 @@ def format_estimate(r: MemoryEstimate) -> str:
         lines.append(
             f"parameters   {r.parameters:,} in {r.tensors} tensors: "
             f"{_sizes(list(r.parameter_bytes.items()))}; flat buffer {r.numel:,} bytes"
+            + _per_tp_rank(r)
         )
     else:
         lines.append(
             f"parameters   {r.parameters:,} in {r.tensors} tensors; flat buffer {r.numel:,} "
-            f"elements of {dtype_name(r.dtype)}"
+            f"elements of {dtype_name(r.dtype)}" + _per_tp_rank(r)
         )
     if not r.trainable.everything or r.trainable_parameters != r.parameters:
         lines.append(_trainable_line(r))
     lines.append(
-        f"training     {_OPTIMIZER_NAMES[r.optimizer]} at world size {r.world_size}{_precision(r)}"
+        f"training     {_OPTIMIZER_NAMES[r.optimizer]} at world size {r.world_size}"
+        + (f" (tp {r.tp} x data-parallel {r.dp_size})" if r.tp > 1 else "")
+        + _precision(r)
     )
     if r.dp_replicate > 1:
         lines.append(_hsdp_line(r))
@@ -177,7 +196,7 @@ def format_estimate(r: MemoryEstimate) -> str:
     lines.append(f"{'total':<{w}}" + "".join(f"{m.worst.total / scale:>12,.2f}" for m in r.modes))
     lines.append("")
     for m in r.modes:
-        if not m.entry.memory.divided or r.world_size == 1:
+        if not m.entry.memory.divided or r.dp_size == 1:
             continue
         if m.spread:
             lines.append(
@@ -186,7 +205,7 @@ def format_estimate(r: MemoryEstimate) -> str:
             )
         else:
             lines.append(f"{m.name}: every rank holds the same")
-    if r.dp_replicate > 1 or r.gpus_per_node is not None:
+    if r.dp_replicate > 1 or r.gpus_per_node is not None or r.tp > 1:
         lines.append(
             "per step     bytes per rank as trainer.stats counts them (each collective's buffer "
             "at its full size)"
@@ -194,6 +213,8 @@ def format_estimate(r: MemoryEstimate) -> str:
         for m in r.modes:
             if m.comm is not None:
                 lines.extend(_comm_lines(m.name, m.comm))
+        if r.tp > 1:
+            lines.extend(_tp_lines(r))
     if r.budget is not None and r.device_memory is not None:
         size = f"{r.device_memory / scale:,.2f} {unit} ({r.device_memory:,} bytes)"
         if r.reserve:
@@ -217,7 +238,7 @@ def _fit(r: MemoryEstimate, m: ModeEstimate, budget: int) -> str:
         now = f"{now} (dp_shard {r.dp_shard}, dp_replicate {r.dp_replicate})"
         return f"{now}; {_shard_fit(r, m)}"
     if m.min_world_size is not None:
-        hybrid = f"; {_shard_fit(r, m)}" if r.world_size > 1 else ""
+        hybrid = f"; {_shard_fit(r, m)}" if r.dp_size > 1 else ""
         return f"{now}; the smallest world size that fits is {m.min_world_size}{hybrid}"
     if m.floor > budget:
         return f"{now}; no world size fits: {memory.floor_note} {m.floor / 2**30:,.2f} GiB"
@@ -234,9 +255,9 @@ def _shard_fit(r: MemoryEstimate, m: ModeEstimate) -> str:
             f": {memory.floor_note} {m.floor / 2**30:,.2f} GiB" if m.floor > (r.budget or 0) else ""
         )
         return f"no dp_shard fits at world size {r.world_size}{why}"
-    where = f"{total / 2**30:,.2f} GiB, dp_replicate {r.world_size // n}"
-    if r.gpus_per_node is not None:
-        groups, _ = node_spans(r.world_size, n, r.gpus_per_node)
+    where = f"{total / 2**30:,.2f} GiB, dp_replicate {r.dp_size // n}"
+    if r.dp_per_node is not None:
+        groups, _ = node_spans(r.dp_size, n, r.dp_per_node)
         where += (
             "; shard groups within a node" if groups == 1 else f"; shard groups span {groups} nodes"
         )

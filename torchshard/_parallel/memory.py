@@ -9,7 +9,7 @@ each mode's arithmetic is its memory model in ``footprint.py``. Hybrid sharding
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -25,6 +25,7 @@ from .footprint import (
     transient_of_sizes,
 )
 from .modes import Choice, ModeEntry, ModeError, choose, entry_for
+from .tpcost import tp_layout
 from .units import Unit, layout_units, unit_geometry
 
 __all__ = [
@@ -59,6 +60,8 @@ def plan_memory(
     units: Sequence[Unit] | None = None,
     prefetch: int = 1,
     reshard_after_forward: bool = True,
+    tp: int = 1,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> list[RankMemory]:
     """What each rank will hold, by the trainer's own slicing rules.
 
@@ -77,6 +80,12 @@ def plan_memory(
             ``units="auto"`` found from the slot names (:func:`layout_units`).
         prefetch, reshard_after_forward: fully sharded, with an alias: as the trainer's;
             they set ``transient`` (:func:`transient_bytes`).
+        tp, tp_plan: tensor parallelism, as ``init_mesh(tp=T)`` and
+            ``FlatParamModule(model, tp_plan=..., mesh=mesh)``: ``layout`` is the whole
+            model's, and each rank plans the local layout ``tp_plan`` (globs to styles)
+            gives at ``T`` ranks (:func:`tp_layout`): a split parameter costs ``1/T`` of its
+            bytes, a replicated one all of them. Or pass ``fm.layout`` of a split module
+            with ``tp=1``: it is already local. ``world_size`` stays the data-parallel size.
 
     Replicated and sharded: parameters are one padded flat buffer; gradients one for the
     trainable parameters alone (``layout.grad_layout``; the sharded ones padded to
@@ -121,7 +130,9 @@ def plan_memory(
         plan = plan_memory(fm.layout, 64, shard=torchshard.FullShard())
         worst = max(plan, key=lambda r: r.total)
         hybrid = plan_memory(fm.layout, 512, shard="full", dp_replicate=16)  # 16 x 32
+        split = plan_memory(whole, 8, shard=True, tp=8, tp_plan=plan)  # 8 dp x 8 tp ranks
     """
+    layout = tp_layout(layout, tp, tp_plan)
     how = (master_dtype, units, prefetch, reshard_after_forward)
     entry, req = asked(layout, world_size, shard, optimizer, *how)
     cut = shard_size(world_size, dp_replicate, shard)

@@ -11,8 +11,8 @@ given the node size, says which of them crosses nodes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from .._flat.layout import FlatLayout
 from .footprint import PlanError, typed
 from .memory import asked, shard_size
 from .modes import Choice
+from .tpcost import TPTraffic, tp_layout, tp_traffic
 from .units import Unit, stripe_parts, unit_geometry, unit_pieces
 
 __all__ = ["CommPlan", "node_spans", "plan_comm"]
@@ -67,6 +68,12 @@ class CommPlan:
     """The most nodes one group spans (1: node-local); ``None`` without ``gpus_per_node``."""
     replica_nodes: int | None = None
     """The most nodes one replicate group spans; ``None`` without ``gpus_per_node``."""
+    tp: int = 1
+    """Tensor-parallel ranks (``init_mesh(tp=T)``); the bytes above are then the local flat
+    buffer's, each tp rank's data-parallel traffic over its own group."""
+    tp_activations: TPTraffic = field(default_factory=TPTraffic)
+    """Activation bytes per token the split layers hand to the tp group (:func:`tp_traffic`);
+    not in ``trainer.stats``: they scale with the batch, not the layout."""
 
     @property
     def bytes_across_replicas(self) -> int:
@@ -118,6 +125,9 @@ class CommPlan:
             "gpus_per_node": self.gpus_per_node,
             "group_nodes": self.group_nodes,
             "replica_nodes": self.replica_nodes,
+            "tp": self.tp,
+            "tp_forward_per_token": self.tp_activations.forward,
+            "tp_backward_per_token": self.tp_activations.backward,
         }
 
 
@@ -131,6 +141,8 @@ def plan_comm(
     reshard_after_forward: bool = True,
     reduce_dtype: torch.dtype | None = None,
     gpus_per_node: int | None = None,
+    tp: int = 1,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> CommPlan:
     """The bytes each rank hands to collectives in one step, by the trainer's own cutting
     rules: what ``trainer.stats`` adds per step (one backward, one step).
@@ -142,7 +154,12 @@ def plan_comm(
         reduce_dtype: as the trainer's: the dtype gradients are summed in.
         gpus_per_node: ranks per node (torchrun's ``LOCAL_WORLD_SIZE``): then the plan says
             how many nodes each group spans, ranks numbered as :func:`init_mesh` numbers
-            them (replicate outermost: shard groups are consecutive ranks).
+            them (replicate outermost: shard groups are consecutive ranks). Ranks here are
+            data-parallel ranks: with ``tp``, each node holds ``gpus_per_node // tp`` of them.
+        tp, tp_plan: tensor parallelism, as :func:`plan_memory`: the data-parallel bytes are
+            the local layout's (a split parameter moves ``1/T`` of its bytes), and
+            ``tp_activations`` the split layers' activation traffic per token
+            (:func:`tp_traffic`).
 
     Per step, with ``n`` the group's ranks (``S = world_size // dp_replicate`` in a sharded
     mode, the world size in the replicated one; counted when ``n > 1``), ``b`` the
@@ -171,6 +188,7 @@ def plan_comm(
             ...   # a backward and trainer.step()
         assert trainer.stats.bytes_across_replicas == steps * plan.across[trainer.rank]
     """
+    whole, layout = layout, tp_layout(layout, tp, tp_plan)
     how = (units, 1, reshard_after_forward)  # prefetch sizes memory, not traffic
     entry, req = asked(layout, world_size, shard, "adamw", torch.float32, *how)
     if reduce_dtype is not None and not (
@@ -182,6 +200,10 @@ def plan_comm(
     g = gpus_per_node
     if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
         raise PlanError(f"gpus_per_node: expected a positive integer, got {g!r}")
+    if g is not None and g % tp:
+        raise PlanError(
+            f"gpus_per_node: tp={tp} must divide the node size {g} (a tp group stays in a node)"
+        )
     n = shard_size(world_size, dp_replicate, shard)
     replicas = world_size // n
     wire = _wire(layout, reduce_dtype)
@@ -194,7 +216,7 @@ def plan_comm(
     else:
         reduction = "reduce"
         reduced, gathered, cuts = _slices(layout, n, world_size, wire, replicas > 1)
-    spans = None if g is None else node_spans(world_size, n, g)
+    spans = None if g is None else node_spans(world_size, n, g // tp)  # dp ranks a node
     return CommPlan(
         world_size=world_size,
         dp_replicate=replicas,
@@ -206,6 +228,8 @@ def plan_comm(
         gpus_per_node=g,
         group_nodes=None if spans is None else spans[0],
         replica_nodes=None if spans is None or replicas == 1 else spans[1],
+        tp=tp,
+        tp_activations=tp_traffic(whole, tp, tp_plan),
     )
 
 
