@@ -51,6 +51,7 @@ from ._reads import (
 from ._rules import OPTIMIZER_RULES
 from ._streams import Stream
 from ._target import Checkpointable, CheckpointInfo, Target
+from ._tp import check_plan, read_share_tp, split_of_target, spread_error, whole_layout
 
 __all__ = ["load"]
 
@@ -67,7 +68,7 @@ class _Refusal:
 
 
 def _check_compatible(meta: Metadata, t: Target, optimizer: torch.optim.Optimizer | None) -> None:
-    diff = layout_difference(meta.layout, t.fm.layout)
+    diff = layout_difference(meta.layout, whole_layout(t))
     if diff is not None:
         raise CheckpointError(
             f"{meta.path}: the checkpoint is of a different model; first difference "
@@ -79,6 +80,7 @@ def _check_compatible(meta: Metadata, t: Target, optimizer: torch.optim.Optimize
             f"{meta.path}: module buffers differ: checkpoint has {sorted(set(meta.buffers) - live)} "
             f"that the model lacks, the model has {sorted(live - set(meta.buffers))} that the checkpoint lacks"
         )
+    check_plan(meta, t)
     if optimizer is None:
         return
     saved = meta.optim
@@ -348,7 +350,10 @@ def _load_one(
         meta = read_metadata(path)
         _check_compatible(meta, t, optimizer)
         readers = Readers(meta)
-        share = _read_share(meta, t, optimizer, readers)
+        if split_of_target(t) is not None:  # its local pieces of the whole tensors
+            share = _Read(*read_share_tp(meta, t, optimizer, readers))
+        else:
+            share = _read_share(meta, t, optimizer, readers)
         comm = read_comm(meta, t, readers, comm_error)  # the compression state: _comm_state
     except CheckpointError as e:
         error = str(e)
@@ -360,6 +365,7 @@ def _load_one(
         if readers is not None:
             readers.close()
     try:
+        error = spread_error(t, error)  # a tp peer's, then the dp group's: every rank's
         refusal = _agree(t, error, path)
     except CheckpointError:
         raise

@@ -58,6 +58,7 @@ from ._staging import (
     resolve_device,
 )
 from ._target import Checkpointable, Target
+from ._tp import save_tp, split_of_target
 
 __all__ = ["CheckpointFuture", "Writer", "async_save", "save"]
 
@@ -155,6 +156,12 @@ class Writer:
                     raise CheckpointError(f"the previous checkpoint save failed: {e}") from e
         extra_json = check_save_args(step, extra)
         target = Target(obj)
+        if split_of_target(target) is not None:  # the files of the whole model, now (_tp)
+            done = save_tp(
+                target, Path(root), step, optimizer, extra_json, keep_last, frozen, _tp_files
+            )
+            self._inflight = CheckpointFuture(done)
+            return self._inflight
         seq = target.coord.next_sequence() if target.coord is not None else 0
         root = Path(root)
         device = resolve_device(target.device)
@@ -214,7 +221,7 @@ class Writer:
                         f"{meet.their_dir()}; every rank must save to the same directory, on a "
                         "filesystem all ranks share"
                     )
-            records = _write_files(t, share, tmp, direct)  # 2. write
+            records = _write_files(t.rank, t.world, share, tmp, direct)  # 2. write
             meet.wrote(records)
         except BaseException as e:
             meet.failed(f"rank {t.rank}: {e}")
@@ -279,12 +286,17 @@ def _as_checkpoint_error(e: BaseException) -> CheckpointError:
     return CheckpointError(f"writing the checkpoint failed: {type(e).__name__}: {e}")
 
 
+def _tp_files(rank: int, world: int, share: Share, tmp: Path) -> dict[str, dict[str, Any]]:
+    return _write_files(rank, world, share, tmp)
+
+
 def _write_files(
-    t: Target, share: Share, tmp: Path, direct: DirectBlock | None = None
+    rank: int, world: int, share: Share, tmp: Path, direct: DirectBlock | None = None
 ) -> dict[str, dict[str, Any]]:
+    """Rank ``rank``'s files of a save at ``world`` ranks, into ``tmp``; their records."""
     records: dict[str, FileRecord] = {}
     if share.weights:
-        name = model_file(t.rank, t.world)
+        name = model_file(rank, world)
         records[name] = write_safetensors(tmp / name, share.weights, direct=direct)
     s, e = share.plan.state_range
     # each stream's elements in this range (stored: see stored_parts); a stream with none
@@ -292,7 +304,7 @@ def _write_files(
     sizes = [sum(x if isinstance(x, int) else x.numel() for x in p) for _, _, p in share.optim]
     streams = [(o, n) for o, n in zip(share.optim, sizes) if n]
     if share.optim and e > s:
-        name = optim_file(t.rank, t.world)
+        name = optim_file(rank, world)
         entries = [(key, dtype, (n,)) for (key, dtype, _), n in streams]
         with SafetensorsWriter(tmp / name, entries, {"range": f"{s},{e}"}, direct) as out:
             for (_, dtype, pieces), _ in streams:
@@ -303,7 +315,7 @@ def _write_files(
                         out.write_tensor(piece)
             records[name] = out.finish()
     if share.comm:  # this rank's ranges of the compression state (_comm_meta)
-        name = comm_file(t.rank, t.world)
+        name = comm_file(rank, world)
         records[name] = write_safetensors(tmp / name, share.comm, direct=direct)
     return {k: v.to_dict() for k, v in records.items()}
 

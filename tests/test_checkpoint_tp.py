@@ -1,0 +1,258 @@
+"""Checkpoints of a tensor-parallel module (issue 25): the files stay the TP=1 picture.
+
+- A (dp2, tp2) save of the tiny GPT (float64, AdamW) writes whole named tensors (equal, bit
+  for bit, to the gathered live weights), the whole layout's optimizer ranges (equal to the
+  gathered live moments), and ``metadata.json`` records the degree and the plan; ``inspect``,
+  ``consolidate`` and ``reshard`` work on it untouched, ``load_file`` gives the whole tensors.
+- Saved at (2, 2) in each data-parallel mode, it loads at (1, 1), (2, 1), (1, 2) and (4, 1)
+  in another mode; each load saved again gives the same picture (whole weights, every flat
+  state stream, the scalar state), bit for bit; at (1, 1) the live optimizer holds it.
+- A TP=1 checkpoint loads at tp=2 (and the picture comes back the same).
+- A (2, 2) run resumed from its step-2 save is bitwise the uninterrupted one, in each mode.
+- A checkpoint whose plan splits a parameter otherwise raises ``CheckpointError`` naming it,
+  on every rank, and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from gpt import GPT, TP_PLAN, GPTConfig, init_gpt_weights
+from multiprocess import run_distributed
+from safetensors.torch import load_file
+
+import torchshard
+from torchshard import DistributedTrainer, FlatParamModule, checkpoint
+from torchshard.checkpoint import CheckpointError
+
+CFG = GPTConfig.preset("tiny")
+MODES = {"rep": False, "shard": True, "full": "full"}
+F64 = torch.float64
+
+
+def _trainer(tp: int, mode: str, plan: dict | None = TP_PLAN):
+    torch.set_default_dtype(F64)
+    try:
+        mesh = torchshard.init_mesh(tp=tp)
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = GPT(CFG)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    fm = FlatParamModule(model, tp_plan=plan if tp > 1 else None, mesh=mesh if tp > 1 else None)
+    kw = {"units": ["blocks.0", "blocks.1"]} if mode == "full" else {}
+    tr = DistributedTrainer(
+        fm, mesh=mesh, shard=MODES[mode], master_dtype=F64, init_fn=init_gpt_weights, **kw
+    )
+    return mesh, fm, tr, tr.make_optimizer(torch.optim.AdamW, lr=1e-2)
+
+
+def _steps(mesh, fm, tr, opt, start: int, stop: int) -> None:
+    """Steps ``start .. stop - 1`` of one global batch of 4 per step, cut over dp."""
+    n = 4 // mesh.dp_size
+    for step in range(start, stop):
+        g = torch.Generator().manual_seed(100 + step)
+        x = torch.randint(0, CFG.vocab_size, (4, 16), generator=g)
+        y = torch.randint(0, CFG.vocab_size, (4, 16), generator=g)
+        d = mesh.dp_rank
+        opt.zero_grad()
+        fm(x[n * d : n * (d + 1)], y[n * d : n * (d + 1)])[1].backward()
+        tr.average_gradients()
+        tr.step()
+
+
+def _whole_weights(fm, tr) -> dict[str, torch.Tensor]:
+    """Every parameter, whole (gathered over dp and tp), by name."""
+    out = {}
+    with tr.gathered():
+        for i, s in enumerate(fm.layout.slots):
+            w = fm.module.get_parameter(s.name).detach()
+            out[s.name] = (fm.tp.gather(i, w) if fm.tp is not None else w).clone()
+    return out
+
+
+def picture(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """A checkpoint as the TP=1 picture: its whole named tensors (``load_file`` on the model
+    files), each flat state stream over the whole layout (its optimizer files in range
+    order), and the optimizer's scalar state and param groups."""
+    meta = json.loads((path / "metadata.json").read_text())
+    weights = {}
+    for shard in meta["weights"]["shards"]:
+        weights.update(load_file(path / shard["file"]))
+    streams: dict[str, list[torch.Tensor]] = {}
+    for f in sorted(meta["optimizer"]["files"], key=lambda f: f["range"][0]):
+        for k, v in load_file(path / f["file"]).items():
+            streams.setdefault(k, []).append(v)
+    opt = {k: meta["optimizer"][k] for k in ("scalar_state", "stateful", "param_groups")}
+    return weights, {k: torch.cat(v) for k, v in streams.items()}, opt
+
+
+def assert_same_picture(a: Path, b: Path) -> None:
+    (wa, sa, oa), (wb, sb, ob) = picture(a), picture(b)
+    assert wa.keys() == wb.keys() and sa.keys() == sb.keys() and len(sa) == 2
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    assert oa == ob
+
+
+def _one(root: Path) -> Path:
+    """The one checkpoint under ``root``."""
+    (path,) = root.glob("step-*")
+    return path
+
+
+# -- workers -----------------------------------------------------------------------------------
+def _save(root: str, tp: int, mode: str, steps: int) -> dict | None:
+    mesh, fm, tr, opt = _trainer(tp, mode)
+    _steps(mesh, fm, tr, opt, 0, steps)
+    checkpoint.save(root, tr, step=steps, optimizer=opt, extra={"seen": steps})
+    weights = _whole_weights(fm, tr)
+    moments = {}
+    if mode == "rep":  # the live moments, whole: each slot's, gathered over tp
+        for i, _a, _, p in tr.optimizer_segments():
+            for k in ("exp_avg", "exp_avg_sq"):
+                m = opt.state[p][k].view(fm.layout.slots[i].shape)
+                moments[(k, i)] = fm.tp.gather(i, m) if fm.tp is not None else m
+    tr.close()
+    return {"weights": weights, "moments": moments} if dist.get_rank() == 0 else None
+
+
+def _load_and_save(src: str, dst: str, tp: int, mode: str) -> dict | None:
+    _mesh, _fm, tr, opt = _trainer(tp, mode)
+    info = checkpoint.load(src, tr, optimizer=opt)
+    checkpoint.save(dst, tr, step=info.step, optimizer=opt, extra=info.extra)
+    out = None
+    if dist.get_world_size() == 1:  # the live optimizer's state, whole parameters
+        out = {}
+        for i, _, _, p in tr.optimizer_segments():
+            st = opt.state[p]
+            out[i] = {k: v.clone() for k, v in st.items()}
+    tr.close()
+    return out
+
+
+def _resume(root: str, mode: str, stop: int, at: int | None) -> dict | None:
+    mesh, fm, tr, opt = _trainer(2, mode)
+    start = 0
+    if at is not None:
+        start = checkpoint.load(root, tr, optimizer=opt).step
+    _steps(mesh, fm, tr, opt, start, stop)
+    weights = _whole_weights(fm, tr)
+    tr.close()
+    return weights if dist.get_rank() == 0 else None
+
+
+def _load_other_plan(src: str) -> str:
+    plan = {k: v for k, v in TP_PLAN.items() if k != "blocks.*.mlp.0"}
+    plan["blocks.*.mlp.0"] = "colwise_gather_output"  # same split: loads
+    _, _, tr, opt = _trainer(2, "rep", plan)
+    checkpoint.load(src, tr, optimizer=opt)
+    tr.close()
+    plan = {k: v for k, v in TP_PLAN.items() if k not in ("blocks.*.mlp.0", "blocks.*.mlp.2")}
+    _, _, tr, opt = _trainer(2, "rep", plan)  # the MLP replicated: another plan
+    try:
+        checkpoint.load(src, tr, optimizer=opt)
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        tr.close()
+    return "loaded"
+
+
+# -- tests -------------------------------------------------------------------------------------
+def test_a_22_save_is_the_tp1_picture(tmp_path):
+    root = tmp_path / "ckpt"
+    got = run_distributed(_save, 4, str(root), 2, "rep", 2, timeout=120)[0]
+    path = _one(root)
+    meta = json.loads((path / "metadata.json").read_text())
+    assert meta["world_size"] == 4 and meta["tp"]["tp"] == 2
+    assert meta["tp"]["tp_plan"]["blocks.0.attn.qkv"] == "packed_colwise"
+    assert meta["tp"]["splits"]["blocks.0.attn.qkv.weight"] == [0, 3]
+    assert meta["tp"]["splits"]["blocks.0.mlp.2.weight"] == [1, 1]
+    with torch.device("meta"):
+        one = FlatParamModule(GPT(CFG).to(F64))  # the one-process layout
+    assert meta["layout"] == one.layout.to_dict()
+    weights, streams, _ = picture(path)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(weights) == set(got["weights"])
+    for name, w in got["weights"].items():
+        assert weights[name].shape == w.shape and torch.equal(weights[name], w), name
+    assert len(got["moments"]) == 2 * len(one.layout.slots)
+    for (k, i), m in got["moments"].items():
+        s = one.layout.slots[i]
+        assert torch.equal(streams[k][s.offset : s.end].view(s.shape), m), (k, s.name)
+    # the offline tools, untouched
+    report = checkpoint.inspect_checkpoint(path)
+    assert report.ok, report.problems
+    out = checkpoint.consolidate(path, tmp_path / "model.safetensors")
+    merged = load_file(out.path)
+    for name, w in got["weights"].items():
+        assert torch.equal(merged[name], w), name
+    checkpoint.reshard(path, tmp_path / "one", world_size=1)
+    assert_same_picture(path, _one(tmp_path / "one"))
+
+
+@pytest.mark.parametrize(
+    "saved, loads",
+    [
+        ("rep", [(1, 1, "rep"), (2, 1, "shard"), (1, 2, "full"), (4, 1, "full")]),
+        ("shard", [(1, 1, "full"), (2, 1, "rep"), (1, 2, "shard"), (4, 1, "rep")]),
+        ("full", [(1, 1, "shard"), (2, 1, "full"), (1, 2, "rep"), (4, 1, "shard")]),
+    ],
+)
+def test_a_22_save_loads_at_any_degree_and_mode(tmp_path, saved, loads):
+    src = tmp_path / "src"
+    run_distributed(_save, 4, str(src), 2, saved, 2, timeout=120)
+    path = _one(src)
+    _weights, streams, scal = picture(path)
+    layout = None
+    for dp, tp, mode in loads:
+        dst = tmp_path / f"{dp}x{tp}-{mode}"
+        got = run_distributed(_load_and_save, dp * tp, str(path), str(dst), tp, mode, timeout=120)
+        assert_same_picture(path, _one(dst))
+        if dp * tp == 1:  # the live optimizer holds the saved moments and step
+            meta = json.loads((path / "metadata.json").read_text())
+            from torchshard._flat.layout import FlatLayout
+
+            layout = FlatLayout.from_dict(meta["layout"])
+            assert len(got[0]) == len(layout.slots)
+            for i, st in got[0].items():
+                s = layout.slots[i]
+                for k in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(st[k].reshape(-1), streams[k][s.offset : s.end]), (k, i)
+                assert float(st["step"]) == scal["scalar_state"]["step"]["values"][i] == 2.0
+    assert layout is not None
+
+
+def test_a_tp1_checkpoint_loads_at_tp2(tmp_path):
+    src = tmp_path / "src"
+    run_distributed(_save, 2, str(src), 1, "shard", 2, timeout=120)
+    dst = tmp_path / "dst"
+    run_distributed(_load_and_save, 2, str(_one(src)), str(dst), 2, "full", timeout=120)
+    assert "tp" in json.loads((_one(dst) / "metadata.json").read_text())
+    assert_same_picture(_one(src), _one(dst))
+
+
+@pytest.mark.parametrize("mode", ["rep", "shard", "full"])
+def test_a_resumed_22_run_is_bitwise_the_uninterrupted_one(tmp_path, mode):
+    root = tmp_path / "ckpt"
+    run_distributed(_save, 4, str(root), 2, mode, 2, timeout=120)
+    resumed = run_distributed(_resume, 4, str(root), mode, 4, 2, timeout=120)[0]
+    straight = run_distributed(_resume, 4, str(root), mode, 4, None, timeout=120)[0]
+    assert resumed.keys() == straight.keys()
+    for name in straight:
+        assert torch.equal(resumed[name], straight[name]), name
+
+
+def test_another_plan_is_refused_naming_the_parameter(tmp_path):
+    root = tmp_path / "ckpt"
+    run_distributed(_save, 2, str(root), 2, "rep", 1, timeout=120)
+    got = run_distributed(_load_other_plan, 2, str(_one(root)), timeout=120)
+    for message in got:  # every rank, no hang
+        assert "'blocks.0.mlp.0.weight'" in message and "replicated" in message, message
