@@ -51,7 +51,7 @@ from ._reads import (
 from ._rules import OPTIMIZER_RULES
 from ._streams import Stream
 from ._target import Checkpointable, CheckpointInfo, Target
-from ._tp import check_plan, read_share_tp, split_of_target, spread_error, whole_layout
+from ._tp_load import check_plan, read_share_tp, spread_error
 
 __all__ = ["load"]
 
@@ -68,7 +68,7 @@ class _Refusal:
 
 
 def _check_compatible(meta: Metadata, t: Target, optimizer: torch.optim.Optimizer | None) -> None:
-    diff = layout_difference(meta.layout, whole_layout(t))
+    diff = layout_difference(meta.layout, t.whole)
     if diff is not None:
         raise CheckpointError(
             f"{meta.path}: the checkpoint is of a different model; first difference "
@@ -350,7 +350,7 @@ def _load_one(
         meta = read_metadata(path)
         _check_compatible(meta, t, optimizer)
         readers = Readers(meta)
-        if split_of_target(t) is not None:  # its local pieces of the whole tensors
+        if t.tp is not None:  # its local pieces of the whole tensors
             share = _Read(*read_share_tp(meta, t, optimizer, readers))
         else:
             share = _read_share(meta, t, optimizer, readers)

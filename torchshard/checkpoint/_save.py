@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ from ._staging import (
     resolve_device,
 )
 from ._target import Checkpointable, Target
-from ._tp import save_tp, split_of_target
+from ._tp_save import save_tp
 
 __all__ = ["CheckpointFuture", "Writer", "async_save", "save"]
 
@@ -156,7 +157,7 @@ class Writer:
                     raise CheckpointError(f"the previous checkpoint save failed: {e}") from e
         extra_json = check_save_args(step, extra)
         target = Target(obj)
-        if split_of_target(target) is not None:  # the files of the whole model, now (_tp)
+        if target.tp is not None:  # the files of the whole model, now (_tp)
             done = save_tp(
                 target, Path(root), step, optimizer, extra_json, keep_last, frozen, _tp_files
             )
@@ -221,7 +222,7 @@ class Writer:
                         f"{meet.their_dir()}; every rank must save to the same directory, on a "
                         "filesystem all ranks share"
                     )
-            records = _write_files(t.rank, t.world, share, tmp, direct)  # 2. write
+            records = _write_files(t, share, tmp, direct)  # 2. write
             meet.wrote(records)
         except BaseException as e:
             meet.failed(f"rank {t.rank}: {e}")
@@ -286,14 +287,23 @@ def _as_checkpoint_error(e: BaseException) -> CheckpointError:
     return CheckpointError(f"writing the checkpoint failed: {type(e).__name__}: {e}")
 
 
+@dataclass(frozen=True)
+class _Writing:
+    """Who writes: file number ``rank`` of a save at ``world`` ranks (a split module's save
+    numbers its files by the mesh's ranks, not by the data-parallel group's)."""
+
+    rank: int
+    world: int
+
+
 def _tp_files(rank: int, world: int, share: Share, tmp: Path) -> dict[str, dict[str, Any]]:
-    return _write_files(rank, world, share, tmp)
+    return _write_files(_Writing(rank, world), share, tmp)
 
 
 def _write_files(
-    rank: int, world: int, share: Share, tmp: Path, direct: DirectBlock | None = None
+    t: Target | _Writing, share: Share, tmp: Path, direct: DirectBlock | None = None
 ) -> dict[str, dict[str, Any]]:
-    """Rank ``rank``'s files of a save at ``world`` ranks, into ``tmp``; their records."""
+    rank, world = t.rank, t.world
     records: dict[str, FileRecord] = {}
     if share.weights:
         name = model_file(rank, world)

@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from .._dist import exchange_bytes
 from .._errors import CheckpointError
+from .._flat.layout import FlatLayout
 from .._flat.module import FlatParamModule
+from .._flat.tp import TensorParallel
 from .._parallel.state import TrainState
 from ._stripes import Stripes
 
@@ -178,6 +180,17 @@ class Target:
     def exchange(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order (a collective: every rank calls it)."""
         return exchange_bytes(data, self.group, self.device)
+
+    @property
+    def tp(self) -> TensorParallel | None:
+        """The module's tensor parallelism, when it splits over more than one rank."""
+        tp = self.fm.tp
+        return tp if tp is not None and tp.size > 1 else None
+
+    @property
+    def whole(self) -> FlatLayout:
+        """The layout a checkpoint stores: the whole model's (of a split module too)."""
+        return self.fm.tp.whole if self.fm.tp is not None else self.fm.layout
 
     @property
     def dp(self) -> Ranks:

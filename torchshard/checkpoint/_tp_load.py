@@ -1,0 +1,207 @@
+"""Tensor-parallel checkpoints, the load: a split module reads its pieces of the whole tensors.
+
+A checkpoint's files are the one-process picture (``_tp_save``; a TP=1 save's alike). A load
+at any degree reads, for each slot its rank holds, its local piece from the whole tensors (a
+dim-0 split: its rows only; a dim-1 split: the whole slot, then its columns), laid out as
+the TP=1 load lays out what it reads: ``_load._apply`` then runs unchanged. A checkpoint
+saved split must have been split alike (:func:`check_plan`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+import torch
+
+from .._dist import exchange_bytes
+from .._errors import CheckpointError
+from .._flat.layout import FlatLayout
+from .._flat.tp import TensorParallel
+from ._metadata import Metadata, Readers
+from ._optim import MASTER, OptimizerView
+from ._plan import overlap
+from ._reads import Holding, Parts, live_weights, read_state, weight_reads, zero_gaps
+from ._streams import Stream
+from ._target import Target
+
+__all__ = ["check_plan", "read_share_tp", "spread_error"]
+
+
+def check_plan(meta: Metadata, t: Target) -> None:
+    """A checkpoint saved split (``"tp"`` in its metadata) loads into a split module only if
+    each parameter is split alike (the files are whole: any degree fits)."""
+    saved, tp = meta.raw.get("tp"), t.tp
+    if saved is None or tp is None:
+        return
+    splits = saved.get("splits") if isinstance(saved, dict) else None
+    if not isinstance(splits, dict) or not isinstance(saved.get("tp"), int):
+        raise CheckpointError(
+            f"{meta.path}: metadata.json: tp: expected {{'tp': int, 'tp_plan': ..., "
+            f"'splits': {{name: [dim, parts]}}}}, got {saved!r}"
+        )
+    if saved["tp"] == 1:
+        return
+    mine = {k: v.to_json() for k, v in tp.split_map().items()}
+
+    def said(s: Any) -> str:
+        return "replicated" if s is None else f"split along dim {s[0]} in {s[1]} part(s)"
+
+    for slot in tp.whole.slots:
+        theirs = splits.get(slot.name)
+        if (list(theirs) if theirs is not None else None) != mine.get(slot.name):
+            raise CheckpointError(
+                f"{meta.path}: parameter {slot.name!r}: the checkpoint's tensor-parallel plan "
+                f"has it {said(theirs)}, this module's {said(mine.get(slot.name))}; load with "
+                f"the plan it was saved with ({saved.get('tp_plan')})"
+            )
+
+
+def spread_error(t: Target, error: str | None) -> str | None:
+    """This rank's error, or one of its tp group's (an exchange over the tp group, which every
+    rank of a split module calls): the dp group's agreement after it then reaches every rank."""
+    tp = t.tp
+    if tp is None:
+        return error
+    replies = exchange_bytes((error or "").encode(), tp.group, t.device)
+    for r, reply in enumerate(replies):
+        if reply and error is None:
+            return f"tp rank {r} failed to load: {reply.decode()}"
+    return error
+
+
+class _Whole:
+    """Each slot's local piece, read from the whole tensors of a checkpoint (one slot cached
+    per tensor: reads come in layout order)."""
+
+    def __init__(self, meta: Metadata, readers: Readers, tp: TensorParallel) -> None:
+        self.meta, self.readers, self.tp = meta, readers, tp
+        self.file = {i: w["file"] for w in meta.weights for i in range(*w["slots"])}
+        self.cache: dict[Any, tuple[int, torch.Tensor]] = {}
+
+    def _rows(self, i: int) -> list[tuple[int, int]] | None:
+        """Element ranges of whole slot ``i`` that are this rank's piece, in order; ``None``
+        where the piece is no run of rows (read the whole slot, then take it)."""
+        split, slot = self.tp.splits[i], self.tp.whole.slots[i]
+        if split is None:
+            return [(0, slot.numel)]
+        if split.dim != 0:
+            return None
+        row = slot.numel // slot.shape[0]
+        return [
+            (a * row, b * row) for a, b in split.pieces(slot.shape[0], self.tp.rank, self.tp.size)
+        ]
+
+    def _piece(self, i: int, dtype: torch.dtype, read: Any) -> torch.Tensor:
+        slot, rows = self.tp.whole.slots[i], self._rows(i)
+        if rows is None:
+            full = torch.empty(slot.numel, dtype=dtype)
+            read([(0, slot.numel, 0)], full)
+            return self.tp.take(i, full.view(slot.shape)).contiguous().view(-1)
+        out = torch.empty(sum(b - a for a, b in rows), dtype=dtype)
+        at, parts = 0, []
+        for a, b in rows:
+            parts.append((a, b, at))
+            at += b - a
+        read(parts, out)
+        return out
+
+    def weights(self, i: int) -> torch.Tensor:
+        key = "weights"
+        if self.cache.get(key, (None,))[0] != i:
+            slot = self.tp.whole.slots[i]
+            file = self.file[i]
+            self.readers.entry(file, slot.name, slot.torch_dtype, slot.shape)
+
+            def read(parts: Parts, out: torch.Tensor) -> None:
+                for a, b, at in parts:
+                    self.readers[file].read_into(slot.name, a, b, out[at : at + b - a])
+
+            self.cache[key] = (i, self._piece(i, slot.torch_dtype, read))
+        return self.cache[key][1]
+
+    def state(self, stream: Stream, i: int) -> torch.Tensor:
+        if self.cache.get(stream, (None,))[0] != i:
+            off = self.tp.whole.slots[i].offset
+
+            def read(parts: Parts, out: torch.Tensor) -> None:
+                moved = [(off + a, off + b, at) for a, b, at in parts]
+                zero_gaps(out, read_state(self.readers, self.meta, stream, moved, out))
+
+            self.cache[stream] = (i, self._piece(i, stream.dtype, read))
+        return self.cache[stream][1]
+
+
+def _fill(
+    layout: FlatLayout, parts: Parts, into: torch.Tensor, piece: Any
+) -> list[tuple[int, int]]:
+    """Local flat ``parts`` into ``into``: ``piece(slot, a, b, shift)`` gives flat ``[a, b)``
+    of a slot (``shift``: from a flat position to its place in ``into``); the ranges written
+    (alignment gaps are not)."""
+    starts, written = [s.offset for s in layout.slots], []
+    for rs, re, at in sorted(parts):
+        i = max(0, bisect.bisect_right(starts, rs) - 1)
+        for slot in layout.slots[i:]:
+            if slot.offset >= re:
+                break
+            ov = overlap((slot.offset, slot.end), (rs, re))
+            if ov is None:
+                continue
+            a, b = ov
+            into[at + a - rs : at + b - rs].copy_(piece(slot, a, b, at - rs))
+            written.append((at + a - rs, at + b - rs))
+    return written
+
+
+def read_share_tp(
+    meta: Metadata, t: Target, optimizer: torch.optim.Optimizer | None, readers: Readers
+) -> tuple[torch.Tensor, Parts, dict[str, torch.Tensor], dict[Stream, Any], dict[Stream, Any]]:
+    """``_load._read_share`` for a split module: the same reads, laid out alike, of this
+    rank's local pieces of the whole tensors; ``(weights, parts, buffers, state, holdings)``."""
+    tp = t.tp
+    assert tp is not None
+    layout, src = t.fm.layout, _Whole(meta, readers, tp)
+    if layout.mixed:
+        raise CheckpointError("trainer: a tensor-parallel module of several dtypes cannot load yet")
+    index = {id(s): i for i, s in enumerate(layout.slots)}
+    saved = {meta.layout.slots[i].name for i in src.file}
+    if meta.raw["weights"].get("frozen", True) is False:
+        saved = {s.name for s in meta.layout.slots if s.requires_grad} & saved
+    mine, reads, numel, within = weight_reads(t)
+    weights = torch.empty(numel, dtype=layout.torch_dtype)
+    live = t.fm.flat_param if t.fm.is_bound else t.stripes.tensor if t.stripes else None
+
+    def weight(slot: Any, a: int, b: int, shift: int) -> torch.Tensor:
+        if slot.name in saved:
+            return src.weights(index[id(slot)])[a - slot.offset : b - slot.offset]
+        assert live is not None  # saved with frozen=False: the model's own stays
+        return live_weights(t, live, slot, a, b, shift)
+
+    zero_gaps(weights, _fill(layout, reads, weights, weight), within)
+    buffers = {}
+    for name, want in t.buffers().items():
+        file = meta.buffers[name]
+        readers.entry(file, name, want.dtype, tuple(want.shape))
+        host = torch.empty(want.shape, dtype=want.dtype)
+        readers[file].read_into(name, 0, host.numel(), host.view(-1))
+        buffers[name] = host
+    state, holdings = {}, {}
+    if optimizer is not None:
+        assert meta.optim is not None
+        view, own = OptimizerView.of(optimizer, t), t.owns_state(optimizer)
+        for stream in meta.optim.streams:
+            if stream.key == MASTER and stream.param not in view.masters:
+                continue
+            hold = Holding.of(t, view, own, stream)
+
+            def piece(slot: Any, a: int, b: int, _: int, stream: Stream = stream) -> torch.Tensor:
+                return src.state(stream, index[id(slot)])[a - slot.offset : b - slot.offset]
+
+            if t.device.type == "cpu" and hold.whole is not None:
+                host = torch.empty(hold.whole, dtype=stream.dtype)
+                _fill(layout, hold.direct, host, piece)
+            else:
+                host = torch.empty(hold.numel, dtype=stream.dtype)
+                zero_gaps(host, _fill(layout, hold.parts, host, piece), hold.within)
+            state[stream], holdings[stream] = host, hold
+    return weights, mine, buffers, state, holdings
