@@ -71,8 +71,10 @@ def spread_error(t: Target, error: str | None) -> str | None:
 
 
 class _Whole:
-    """Each slot's local piece, read from the whole tensors of a checkpoint (one slot cached
-    per tensor: reads come in layout order)."""
+    """Ranges of each slot's local piece, read from the whole tensors of a checkpoint: of a
+    replicated or dim-0 split slot exactly the elements asked for (its piece is runs of
+    rows); of another split, the whole slot once, then its piece (one slot cached per tensor:
+    reads come in layout order)."""
 
     def __init__(self, meta: Metadata, readers: Readers, tp: TensorParallel) -> None:
         self.meta, self.readers, self.tp = meta, readers, tp
@@ -81,7 +83,7 @@ class _Whole:
 
     def _rows(self, i: int) -> list[tuple[int, int]] | None:
         """Element ranges of whole slot ``i`` that are this rank's piece, in order; ``None``
-        where the piece is no run of rows (read the whole slot, then take it)."""
+        where the piece is no run of rows."""
         split, slot = self.tp.splits[i], self.tp.whole.slots[i]
         if split is None:
             return [(0, slot.numel)]
@@ -92,44 +94,47 @@ class _Whole:
             (a * row, b * row) for a, b in split.pieces(slot.shape[0], self.tp.rank, self.tp.size)
         ]
 
-    def _piece(self, i: int, dtype: torch.dtype, read: Any) -> torch.Tensor:
+    def _range(
+        self, key: Any, i: int, lo: int, hi: int, dtype: torch.dtype, read: Any
+    ) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of slot ``i``'s local piece; ``read(parts, out)`` reads
+        ``(a, b, at)``: whole slot elements ``[a, b)`` into ``out[at:]``."""
         slot, rows = self.tp.whole.slots[i], self._rows(i)
         if rows is None:
-            full = torch.empty(slot.numel, dtype=dtype)
-            read([(0, slot.numel, 0)], full)
-            return self.tp.take(i, full.view(slot.shape)).contiguous().view(-1)
-        out = torch.empty(sum(b - a for a, b in rows), dtype=dtype)
-        at, parts = 0, []
-        for a, b in rows:
-            parts.append((a, b, at))
+            if self.cache.get(key, (None,))[0] != i:
+                full = torch.empty(slot.numel, dtype=dtype)
+                read([(0, slot.numel, 0)], full)
+                piece = self.tp.take(i, full.view(slot.shape)).contiguous().view(-1)
+                self.cache[key] = (i, piece)
+            return self.cache[key][1][lo:hi]
+        out, parts, at = torch.empty(hi - lo, dtype=dtype), [], 0
+        for a, b in rows:  # local elements [at, at + b - a) are whole [a, b)
+            x, y = max(lo, at), min(hi, at + b - a)
+            if x < y:
+                parts.append((a + x - at, a + y - at, x - lo))
             at += b - a
         read(parts, out)
         return out
 
-    def weights(self, i: int) -> torch.Tensor:
-        key = "weights"
-        if self.cache.get(key, (None,))[0] != i:
-            slot = self.tp.whole.slots[i]
-            file = self.file[i]
-            self.readers.entry(file, slot.name, slot.torch_dtype, slot.shape)
+    def weights(self, i: int, lo: int, hi: int) -> torch.Tensor:
+        slot = self.tp.whole.slots[i]
+        file = self.file[i]
+        self.readers.entry(file, slot.name, slot.torch_dtype, slot.shape)
 
-            def read(parts: Parts, out: torch.Tensor) -> None:
-                for a, b, at in parts:
-                    self.readers[file].read_into(slot.name, a, b, out[at : at + b - a])
+        def read(parts: Parts, out: torch.Tensor) -> None:
+            for a, b, at in parts:
+                self.readers[file].read_into(slot.name, a, b, out[at : at + b - a])
 
-            self.cache[key] = (i, self._piece(i, slot.torch_dtype, read))
-        return self.cache[key][1]
+        return self._range("weights", i, lo, hi, slot.torch_dtype, read)
 
-    def state(self, stream: Stream, i: int) -> torch.Tensor:
-        if self.cache.get(stream, (None,))[0] != i:
-            off = self.tp.whole.slots[i].offset
+    def state(self, stream: Stream, i: int, lo: int, hi: int) -> torch.Tensor:
+        off = self.tp.whole.slots[i].offset
 
-            def read(parts: Parts, out: torch.Tensor) -> None:
-                moved = [(off + a, off + b, at) for a, b, at in parts]
-                zero_gaps(out, read_state(self.readers, self.meta, stream, moved, out))
+        def read(parts: Parts, out: torch.Tensor) -> None:
+            moved = [(off + a, off + b, at) for a, b, at in parts]
+            zero_gaps(out, read_state(self.readers, self.meta, stream, moved, out))
 
-            self.cache[stream] = (i, self._piece(i, stream.dtype, read))
-        return self.cache[stream][1]
+        return self._range(stream, i, lo, hi, stream.dtype, read)
 
 
 def _fill(
@@ -173,7 +178,7 @@ def read_share_tp(
 
     def weight(slot: Any, a: int, b: int, shift: int) -> torch.Tensor:
         if slot.name in saved:
-            return src.weights(index[id(slot)])[a - slot.offset : b - slot.offset]
+            return src.weights(index[id(slot)], a - slot.offset, b - slot.offset)
         assert live is not None  # saved with frozen=False: the model's own stays
         return live_weights(t, live, slot, a, b, shift)
 
@@ -195,7 +200,7 @@ def read_share_tp(
             hold = Holding.of(t, view, own, stream)
 
             def piece(slot: Any, a: int, b: int, _: int, stream: Stream = stream) -> torch.Tensor:
-                return src.state(stream, index[id(slot)])[a - slot.offset : b - slot.offset]
+                return src.state(stream, index[id(slot)], a - slot.offset, b - slot.offset)
 
             if t.device.type == "cpu" and hold.whole is not None:
                 host = torch.empty(hold.whole, dtype=stream.dtype)

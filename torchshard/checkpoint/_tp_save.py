@@ -7,10 +7,13 @@ optimizer state (``_plan``), so ``consolidate``, ``reshard``, ``inspect`` and a 
 it as any other. ``metadata.json`` adds ``"tp"``: the degree, the plan, each split slot's
 split (``fm.tp.to_json()``). The load is ``_tp_load``.
 
-The save goes slot by slot, every rank alike (collectives): the local slot is assembled on
-every data-parallel rank (from the local shards' stripes, when the trainer shards them), the
-tp group all-gathers its pieces into the whole slot, and each rank keeps what its files hold.
-One whole slot per tensor (the weights, each optimizer state) is transient at a time. It is
+The save goes slot by slot, every rank alike (collectives), to the rank that writes it (for
+a slot whose optimizer state two files share, to each): the local slot is assembled on the
+writer's data-parallel rank (from the local shards' stripes, when the trainer shards them;
+else every rank holds it), then the writer's tp group gathers the pieces to the writer. Each
+element crosses the network about once per tensor (the weights, each optimizer state; a
+shared slot once per writer); a writer holds one whole slot per tensor transiently, besides
+its share of the files (about 1 / (dp x tp) of them). It is
 synchronous (an ``async_save`` of a split module returns a finished future); the ranks meet
 by collectives over the mesh's world, not through the store.
 """
@@ -56,21 +59,18 @@ def _mesh(t: Target) -> Any:
     return mesh
 
 
-def _dp_whole(t: Target, a: int, b: int, dtype: torch.dtype, fill: Any) -> torch.Tensor:
-    """Local flat ``[a, b)`` on every data-parallel rank: assembled on dp rank 0 from every
-    rank's stripes (``fill(dest, out)``, a collective), then broadcast over the dp group."""
-    dest = [(a, b)] + [(b, b)] * (t.world - 1)
-    out = torch.empty(b - a if t.rank == 0 else 0, dtype=dtype)
+def _on_dp_rank(t: Target, d: int, a: int, b: int, dtype: torch.dtype, fill: Any) -> Any:
+    """Local flat ``[a, b)`` on data-parallel rank ``d`` (``None`` on the others), assembled
+    from every rank's stripes by ``fill(dest, out)`` (a collective over the dp group)."""
+    dest = [(a, a)] * d + [(a, b)] + [(b, b)] * (t.world - 1 - d)
+    out = torch.empty(b - a if t.rank == d else 0, dtype=dtype)
     fill(dest, out)
-    if t.world == 1:
-        return out.to(t.device)
-    full = out.to(t.device) if t.rank == 0 else torch.empty(b - a, dtype=dtype, device=t.device)
-    dist.broadcast(full, src=t.dp.global_rank(0), group=t.group)
-    return full
+    return out.to(t.device) if t.rank == d else None
 
 
-def _local_weights(t: Target, i: int, frozen: bool) -> torch.Tensor:
-    """Local slot ``i``'s weights, whole on this rank (shaped)."""
+def _local_weights(t: Target, i: int, d: int) -> torch.Tensor | None:
+    """Local slot ``i``'s weights (shaped) on data-parallel rank ``d``; where every rank holds
+    them (a flat buffer), on every rank; else ``None``."""
     slot = t.fm.layout.slots[i]
     flat = t.fm.flat_param
     if flat is not None:
@@ -83,12 +83,15 @@ def _local_weights(t: Target, i: int, frozen: bool) -> torch.Tensor:
         if kept is not None:
             kept.assemble(dest, out, None)
 
-    return _dp_whole(t, slot.offset, slot.end, slot.torch_dtype, fill).view(slot.shape)
+    got = _on_dp_rank(t, d, slot.offset, slot.end, slot.torch_dtype, fill)
+    return None if got is None else got.view(slot.shape)
 
 
-def _local_state(t: Target, view: OptimizerView, stream: Stream, i: int) -> torch.Tensor:
-    """Local slot ``i``'s state of ``stream``, whole on this rank (shaped; zeros where the
-    optimizer holds none)."""
+def _local_state(
+    t: Target, view: OptimizerView, stream: Stream, i: int, d: int
+) -> torch.Tensor | None:
+    """:func:`_local_weights` for the optimizer's state of ``stream`` (zeros where it holds
+    none)."""
     slot = t.fm.layout.slots[i]
     if t.owns_state(view.optimizer):  # the trainer's sharding optimizer: its stripes
         assert t.stripes is not None
@@ -98,12 +101,40 @@ def _local_state(t: Target, view: OptimizerView, stream: Stream, i: int) -> torc
         def fill(dest: list[tuple[int, int]], out: torch.Tensor) -> None:
             stripes.assemble(dest, out, parts)
 
-        return _dp_whole(t, slot.offset, slot.end, stream.dtype, fill).view(slot.shape)
+        got = _on_dp_rank(t, d, slot.offset, slot.end, stream.dtype, fill)
+        return None if got is None else got.view(slot.shape)
     seg = next((s for s in view.segments if s.slot == i), None)
     src = view.source(seg, stream) if seg is not None else None
     if src is None:
         return torch.zeros(slot.shape, dtype=stream.dtype, device=t.device)
     return src.view(slot.shape)
+
+
+def _to_writer(
+    t: Target, tp: TensorParallel, i: int, w: int, local: Callable[[int], torch.Tensor | None]
+) -> torch.Tensor | None:
+    """Whole slot ``i`` on global rank ``w`` (``None`` elsewhere): ``local(d)`` assembles the
+    local slot on dp rank ``d`` (the writer's; a collective over the dp group, which the dp
+    groups of every tp rank holding a piece run), then the writer's tp group gathers it."""
+    size, split = tp.size, tp.splits[i]
+    d, r = divmod(w, size)  # the writer's dp and tp coordinates (dp_replicate is 1)
+    if split is None and tp.rank != r:
+        return None  # the writer's own dp group holds all of it
+    piece = local(d)
+    if t.rank != d:
+        return None
+    assert piece is not None
+    if split is None:
+        return piece
+    piece, me = piece.contiguous(), d * size + tp.rank
+    got = [torch.empty_like(piece) for _ in range(size)] if me == w else None
+    dist.gather(piece, got, dst=w, group=tp.group)
+    if got is None:
+        return None
+    full = piece.new_empty(tp.whole_shape(i))
+    for q, x in enumerate(got):
+        split.put(full, x, q, size)
+    return full
 
 
 def _collect(
@@ -114,29 +145,40 @@ def _collect(
     whole = tp.whole
     view = OptimizerView.of(optimizer, t) if optimizer is not None else None
     scalars = view.agree(t) if view is not None else ({}, "")  # over the dp group
-    lo, hi = weight_runs(whole, world)[g]
+    runs = weight_runs(whole, world)
+    lo, hi = runs[g]
     span = (whole.slots[lo].offset, whole.slots[hi - 1].end) if hi > lo else (0, 0)
-    s0, e0 = state_ranges(whole, world)[g] if view is not None and view.streams else (0, 0)
+    ranges = state_ranges(whole, world) if view is not None and view.streams else []
+    s0, e0 = ranges[g] if ranges else (0, 0)
     share = Share(Path(), 0, SharePlan(g, world, (lo, hi), span, (s0, e0), ()))
     stored = stored_parts(whole, s0, e0) if e0 > s0 else []
     streams = view.streams if view is not None else []
     n = sum(b - a for a, b, _ in stored)
     hosts = [torch.zeros(n, dtype=s.dtype) for s in streams]
     sparse = trainable_only(whole)
-    for i, slot in enumerate(whole.slots):  # every rank, every slot: collectives
+    for i, slot in enumerate(whole.slots):  # every rank, every slot, alike: collectives
         if frozen or slot.requires_grad:
-            full = tp.gather(i, _local_weights(t, i, frozen))
-            if lo <= i < hi:
+            w = next(q for q, (a, b) in enumerate(runs) if a <= i < b)
+            full = _to_writer(t, tp, i, w, lambda d, i=i: _local_weights(t, i, d))
+            if full is not None:
                 share.weights.append((slot.name, full.detach().to("cpu", copy=True)))
         if view is None or (sparse and not slot.requires_grad):
             continue  # no rank's file stores state of it
+        span = (slot.offset, slot.end)
+        writers = [q for q, r in enumerate(ranges) if overlap(r, span) is not None]
         for stream, host in zip(streams, hosts):
-            full = tp.gather(i, _local_state(t, view, stream, i)).reshape(-1)
-            for a, b, at in stored:
-                ov = overlap((a, b), (slot.offset, slot.end))
-                if ov is not None:
-                    x, y = ov
-                    host[at + x - a : at + y - a].copy_(full[x - slot.offset : y - slot.offset])
+            for w in writers:
+                full = _to_writer(
+                    t, tp, i, w, lambda d, i=i, s=stream: _local_state(t, view, s, i, d)
+                )
+                if full is None:
+                    continue
+                flat = full.reshape(-1)
+                for a, b, at in stored:
+                    ov = overlap((a, b), span)
+                    if ov is not None:
+                        x, y = ov
+                        host[at + x - a : at + y - a].copy_(flat[x - slot.offset : y - slot.offset])
     share.optim = [(s.name, s.dtype, [h]) for s, h in zip(streams, hosts) if n]
     return share, (view.metadata(scalars) if view is not None and g == 0 else None)
 
@@ -173,6 +215,12 @@ def save_tp(
         raise CheckpointError(
             "trainer: a tensor-parallel module with parameters of several dtypes cannot be "
             "checkpointed yet; cast the model to one dtype"
+        )
+    comm_state = getattr(t.trainer, "comm_state", None)
+    if comm_state is not None and comm_state():
+        raise CheckpointError(
+            "trainer: the compression state of a lossy comm (PowerSGD, TopK) of a "
+            "tensor-parallel trainer cannot be saved yet; train it with a dense comm"
         )
     g, world = mesh.rank, mesh.world_size
     share, optim_meta = _collect(t, tp, g, world, optimizer, frozen)
