@@ -111,7 +111,10 @@ def _one(root: Path) -> Path:
 def _save(root: str, tp: int, mode: str, steps: int) -> dict | None:
     mesh, fm, tr, opt = _trainer(tp, mode)
     _steps(mesh, fm, tr, opt, 0, steps)
-    checkpoint.save(root, tr, step=steps, optimizer=opt, extra={"seen": steps})
+    if mode == "shard":  # async_save of a split module: a finished future
+        checkpoint.async_save(root, tr, step=steps, optimizer=opt, extra={"seen": steps}).wait()
+    else:
+        checkpoint.save(root, tr, step=steps, optimizer=opt, extra={"seen": steps})
     weights = _whole_weights(fm, tr)
     moments = {}
     if mode == "rep":  # the live moments, whole: each slot's, gathered over tp
@@ -163,6 +166,32 @@ def _load_other_plan(src: str) -> str:
     finally:
         tr.close()
     return "loaded"
+
+
+def _failures(root: str) -> list[str]:
+    """A save at a step that exists, then a load that fails on tp rank 1 alone: each raises
+    on every rank."""
+    from torchshard.checkpoint import _tp_load
+
+    _, _, tr, opt = _trainer(2, "rep")
+    out = []
+    checkpoint.save(root, tr, step=1, optimizer=opt)
+    try:
+        checkpoint.save(root, tr, step=1, optimizer=opt)
+    except CheckpointError as e:
+        out.append(str(e))
+    if dist.get_rank() == 1:
+
+        def broken(*args, **kwargs):
+            raise CheckpointError("a damaged chunk")
+
+        _tp_load._Whole.weights = broken
+    try:
+        checkpoint.load(root, tr, optimizer=opt)
+    except CheckpointError as e:
+        out.append(str(e))
+    tr.close()
+    return out
 
 
 # -- tests -------------------------------------------------------------------------------------
@@ -256,3 +285,11 @@ def test_another_plan_is_refused_naming_the_parameter(tmp_path):
     got = run_distributed(_load_other_plan, 2, str(_one(root)), timeout=120)
     for message in got:  # every rank, no hang
         assert "'blocks.0.mlp.0.weight'" in message and "replicated" in message, message
+
+
+def test_a_failure_on_one_rank_raises_on_every_rank(tmp_path):
+    got = run_distributed(_failures, 2, str(tmp_path / "ckpt"), timeout=120)
+    for save, load in got:
+        assert "already exists" in save, save
+        assert "a damaged chunk" in load, load
+    assert "tp rank 1" in got[0][1]
