@@ -168,6 +168,43 @@ def _load_other_plan(src: str) -> str:
     return "loaded"
 
 
+def _bytes_sent(root: str, mode: str) -> int:
+    """Bytes this rank sends in the collectives of one save (counted per call: gather and
+    broadcast from their sources, all-to-all but its own part, all-gather to the others)."""
+    mesh, fm, tr, opt = _trainer(2, mode)
+    _steps(mesh, fm, tr, opt, 0, 1)
+    me, sent, real = dist.get_rank(), [0], {}
+
+    def nb(x: torch.Tensor) -> int:
+        return x.numel() * x.element_size()
+
+    def a2a(out, inp, output_split_sizes=None, input_split_sizes=None, group=None, **_):
+        own = input_split_sizes[dist.get_group_rank(group, me)] if input_split_sizes else 0
+        return nb(inp) - own * inp.element_size()
+
+    counts = {
+        "gather": lambda t, gather_list=None, dst=0, **_: 0 if me == dst else nb(t),
+        "broadcast": lambda t, src=0, **_: nb(t) if me == src else 0,
+        "all_gather": lambda tl, t, **_: nb(t) * (len(tl) - 1),
+        "all_to_all_single": a2a,
+    }
+    for name, count in counts.items():
+        real[name] = getattr(dist, name)
+
+        def counted(*a, _f=real[name], _c=count, **k):
+            sent[0] += _c(*a, **k)
+            return _f(*a, **k)
+
+        setattr(dist, name, counted)
+    try:
+        checkpoint.save(root, tr, step=1, optimizer=opt)
+    finally:
+        for name, f in real.items():
+            setattr(dist, name, f)
+    tr.close()
+    return sent[0]
+
+
 def _failures(root: str) -> list[str]:
     """A save at a step that exists, then a load that fails on tp rank 1 alone: each raises
     on every rank."""
@@ -285,6 +322,17 @@ def test_another_plan_is_refused_naming_the_parameter(tmp_path):
     got = run_distributed(_load_other_plan, 2, str(_one(root)), timeout=120)
     for message in got:  # every rank, no hang
         assert "'blocks.0.mlp.0.weight'" in message and "replicated" in message, message
+
+
+@pytest.mark.parametrize("mode", ["rep", "full"])
+def test_a_save_moves_each_element_to_its_writer_only(tmp_path, mode):
+    """Each element crosses at most twice (to the writer's dp rank, then inside its tp group):
+    the collectives of a (2, 2) save send less than twice the files' bytes in all, where
+    gathering every whole slot on every rank would send more than the files per rank."""
+    sent = run_distributed(_bytes_sent, 4, str(tmp_path), mode, timeout=120)
+    files = sum(p.stat().st_size for p in _one(tmp_path).glob("*.safetensors"))
+    assert 0 < sum(sent) < 2 * files, (sent, files)
+    assert max(sent) < files / 2, (sent, files)
 
 
 def test_a_failure_on_one_rank_raises_on_every_rank(tmp_path):
