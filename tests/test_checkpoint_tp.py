@@ -7,10 +7,13 @@
 - Saved at (2, 2) in each data-parallel mode, it loads at (1, 1), (2, 1), (1, 2) and (4, 1)
   in another mode; each load saved again gives the same picture (whole weights, every flat
   state stream, the scalar state), bit for bit; at (1, 1) the live optimizer holds it.
-- A TP=1 checkpoint loads at tp=2 (and the picture comes back the same).
+- A TP=1 checkpoint loads at tp=2 (and the picture comes back the same); so do a bfloat16
+  model's float32 master (a third stream) and frozen parameters, replicated and split.
 - A (2, 2) run resumed from its step-2 save is bitwise the uninterrupted one, in each mode.
 - A checkpoint whose plan splits a parameter otherwise raises ``CheckpointError`` naming it,
-  on every rank, and nothing hangs.
+  on every rank; a save or load that fails on one rank fails on all, and nothing hangs.
+- The save's collectives send each element to its writer only (under twice the files' bytes
+  in all at (2, 2)).
 """
 
 from __future__ import annotations
@@ -34,8 +37,16 @@ MODES = {"rep": False, "shard": True, "full": "full"}
 F64 = torch.float64
 
 
-def _trainer(tp: int, mode: str, plan: dict | None = TP_PLAN):
-    torch.set_default_dtype(F64)
+def _trainer(
+    tp: int,
+    mode: str,
+    plan: dict | None = TP_PLAN,
+    dtype: torch.dtype = F64,
+    frozen: tuple[str, ...] = (),
+):
+    """The tiny GPT on ``init_mesh(tp=tp)``, split by ``plan``, in ``mode``; the sharded modes
+    keep a master copy (float32 for a bfloat16 model); ``frozen`` parameters do not train."""
+    torch.set_default_dtype(dtype)
     try:
         mesh = torchshard.init_mesh(tp=tp)
         torch.manual_seed(0)
@@ -43,10 +54,13 @@ def _trainer(tp: int, mode: str, plan: dict | None = TP_PLAN):
             model = GPT(CFG)
     finally:
         torch.set_default_dtype(torch.float32)
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
     fm = FlatParamModule(model, tp_plan=plan if tp > 1 else None, mesh=mesh if tp > 1 else None)
     kw = {"units": ["blocks.0", "blocks.1"]} if mode == "full" else {}
+    master = torch.float32 if dtype == torch.bfloat16 else dtype
     tr = DistributedTrainer(
-        fm, mesh=mesh, shard=MODES[mode], master_dtype=F64, init_fn=init_gpt_weights, **kw
+        fm, mesh=mesh, shard=MODES[mode], master_dtype=master, init_fn=init_gpt_weights, **kw
     )
     return mesh, fm, tr, tr.make_optimizer(torch.optim.AdamW, lr=1e-2)
 
@@ -91,9 +105,9 @@ def picture(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor
     return weights, {k: torch.cat(v) for k, v in streams.items()}, opt
 
 
-def assert_same_picture(a: Path, b: Path) -> None:
+def assert_same_picture(a: Path, b: Path, streams: int = 2) -> None:
     (wa, sa, oa), (wb, sb, ob) = picture(a), picture(b)
-    assert wa.keys() == wb.keys() and sa.keys() == sb.keys() and len(sa) == 2
+    assert wa.keys() == wb.keys() and sa.keys() == sb.keys() and len(sa) == streams
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
     for k in sa:
@@ -108,8 +122,8 @@ def _one(root: Path) -> Path:
 
 
 # -- workers -----------------------------------------------------------------------------------
-def _save(root: str, tp: int, mode: str, steps: int) -> dict | None:
-    mesh, fm, tr, opt = _trainer(tp, mode)
+def _save(root: str, tp: int, mode: str, steps: int, **kw) -> dict | None:
+    mesh, fm, tr, opt = _trainer(tp, mode, **kw)
     _steps(mesh, fm, tr, opt, 0, steps)
     if mode == "shard":  # async_save of a split module: a finished future
         checkpoint.async_save(root, tr, step=steps, optimizer=opt, extra={"seen": steps}).wait()
@@ -126,8 +140,8 @@ def _save(root: str, tp: int, mode: str, steps: int) -> dict | None:
     return {"weights": weights, "moments": moments} if dist.get_rank() == 0 else None
 
 
-def _load_and_save(src: str, dst: str, tp: int, mode: str) -> dict | None:
-    _mesh, _fm, tr, opt = _trainer(tp, mode)
+def _load_and_save(src: str, dst: str, tp: int, mode: str, **kw) -> dict | None:
+    _, _, tr, opt = _trainer(tp, mode, **kw)
     info = checkpoint.load(src, tr, optimizer=opt)
     checkpoint.save(dst, tr, step=info.step, optimizer=opt, extra=info.extra)
     out = None
@@ -303,6 +317,22 @@ def test_a_tp1_checkpoint_loads_at_tp2(tmp_path):
     run_distributed(_load_and_save, 2, str(_one(src)), str(dst), 2, "full", timeout=120)
     assert "tp" in json.loads((_one(dst) / "metadata.json").read_text())
     assert_same_picture(_one(src), _one(dst))
+
+
+def test_frozen_parameters_and_a_master_copy_load_at_other_degrees(tmp_path):
+    """bfloat16 weights with a float32 master (a third flat stream), a replicated and a split
+    parameter frozen (the optimizer files store the trainable runs only)."""
+    kw = {"dtype": torch.bfloat16, "frozen": ("wpe.weight", "blocks.0.mlp.0.weight")}
+    src = tmp_path / "src"
+    run_distributed(_save, 4, str(src), 2, "shard", 2, timeout=120, **kw)
+    meta = json.loads((_one(src) / "metadata.json").read_text())
+    assert meta["optimizer"]["stored"] == "trainable"
+    for dp, tp, mode in [(1, 2, "full"), (2, 1, "shard")]:
+        dst = tmp_path / f"{dp}x{tp}"
+        run_distributed(
+            _load_and_save, dp * tp, str(_one(src)), str(dst), tp, mode, timeout=120, **kw
+        )
+        assert_same_picture(_one(src), _one(dst), streams=3)
 
 
 @pytest.mark.parametrize("mode", ["rep", "shard", "full"])
