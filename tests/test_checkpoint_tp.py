@@ -12,6 +12,7 @@
 - A (2, 2) run resumed from its step-2 save is bitwise the uninterrupted one, in each mode.
 - A checkpoint whose plan splits a parameter otherwise raises ``CheckpointError`` naming it,
   on every rank; a save or load that fails on one rank fails on all, and nothing hangs.
+- ``async_save`` (a finished future) and a ``Checkpointer`` (rotating) save alike.
 - The save's collectives send each element to its writer only (under twice the files' bytes
   in all at (2, 2)).
 """
@@ -124,10 +125,18 @@ def _one(root: Path) -> Path:
 # -- workers -----------------------------------------------------------------------------------
 def _save(root: str, tp: int, mode: str, steps: int, **kw) -> dict | None:
     mesh, fm, tr, opt = _trainer(tp, mode, **kw)
-    _steps(mesh, fm, tr, opt, 0, steps)
+    if mode == "full":  # a Checkpointer keeping the last one: step 1 is rotated out
+        _steps(mesh, fm, tr, opt, 0, 1)
+        ckpt = checkpoint.Checkpointer(root, keep_last=1)
+        ckpt.save(tr, step=1, optimizer=opt)
+        _steps(mesh, fm, tr, opt, 1, steps)
+        ckpt.save(tr, step=steps, optimizer=opt, extra={"seen": steps}).wait()
+        ckpt.close()
+    else:
+        _steps(mesh, fm, tr, opt, 0, steps)
     if mode == "shard":  # async_save of a split module: a finished future
         checkpoint.async_save(root, tr, step=steps, optimizer=opt, extra={"seen": steps}).wait()
-    else:
+    elif mode == "rep":
         checkpoint.save(root, tr, step=steps, optimizer=opt, extra={"seen": steps})
     weights = _whole_weights(fm, tr)
     moments = {}

@@ -375,6 +375,10 @@ def async_save(
     from every rank's stripes inside this call (collectives, unit by unit), so
     only the writing is left to the background.
 
+    A tensor-parallel module (``tp_plan=``, ``init_mesh(tp=T)``) is saved as the whole
+    model's files within this call, which returns a finished future (``docs/checkpoint-
+    format.md``, "Tensor parallelism").
+
     Example::
 
         future = torchshard.checkpoint.async_save("ckpt", trainer, step=step, optimizer=opt)
