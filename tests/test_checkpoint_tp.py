@@ -12,6 +12,8 @@
 - A (2, 2) run resumed from its step-2 save is bitwise the uninterrupted one, in each mode.
 - A checkpoint whose plan splits a parameter otherwise raises ``CheckpointError`` naming it,
   on every rank; a save or load that fails on one rank fails on all, and nothing hangs.
+- A dp_replicate 2 x tp 2 mesh (replicated) saves the same picture; hybrid sharding with tp
+  is refused on every rank.
 - ``async_save`` (a finished future) and a ``Checkpointer`` (rotating) save alike.
 - The save's collectives send each element to its writer only (under twice the files' bytes
   in all at (2, 2)).
@@ -44,12 +46,13 @@ def _trainer(
     plan: dict | None = TP_PLAN,
     dtype: torch.dtype = F64,
     frozen: tuple[str, ...] = (),
+    replicate: int = 1,
 ):
     """The tiny GPT on ``init_mesh(tp=tp)``, split by ``plan``, in ``mode``; the sharded modes
     keep a master copy (float32 for a bfloat16 model); ``frozen`` parameters do not train."""
     torch.set_default_dtype(dtype)
     try:
-        mesh = torchshard.init_mesh(tp=tp)
+        mesh = torchshard.init_mesh(dp_replicate=replicate, tp=tp)
         torch.manual_seed(0)
         with torch.device("meta"):
             model = GPT(CFG)
@@ -228,6 +231,17 @@ def _bytes_sent(root: str, mode: str) -> int:
     return sent[0]
 
 
+def _hybrid(root: str) -> str:
+    _, _, tr, opt = _trainer(2, "shard", replicate=2)
+    try:
+        checkpoint.save(root, tr, step=1, optimizer=opt)
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        tr.close()
+    return "saved"
+
+
 def _failures(root: str) -> list[str]:
     """A save at a step that exists, then a load that fails on tp rank 1 alone: each raises
     on every rank."""
@@ -372,6 +386,17 @@ def test_a_save_moves_each_element_to_its_writer_only(tmp_path, mode):
     files = sum(p.stat().st_size for p in _one(tmp_path).glob("*.safetensors"))
     assert 0 < sum(sent) < 2 * files, (sent, files)
     assert max(sent) < files / 2, (sent, files)
+
+
+def test_a_replicated_mesh_saves_and_hybrid_sharding_is_refused(tmp_path):
+    """A (dp_replicate 2) x tp 2 mesh trains replicated over mesh.dp: its save is the picture
+    a (2, 2) one writes; hybrid sharding with tp is refused with a clear error, on every rank."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_distributed(_save, 4, str(a), 2, "rep", 1, timeout=120, replicate=2)
+    run_distributed(_save, 4, str(b), 2, "rep", 1, timeout=120)
+    assert_same_picture(_one(a), _one(b))
+    for message in run_distributed(_hybrid, 4, str(tmp_path / "c"), timeout=120):
+        assert "tp=2" in message and "hybrid sharding" in message, message
 
 
 def test_a_failure_on_one_rank_raises_on_every_rank(tmp_path):

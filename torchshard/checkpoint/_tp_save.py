@@ -51,11 +51,6 @@ def _mesh(t: Target) -> Any:
             "trainer: a tensor-parallel FlatParamModule is saved and loaded through its "
             "DistributedTrainer(fm, mesh=mesh), which knows the ranks holding its pieces"
         )
-    if mesh.shape[0] > 1:
-        raise CheckpointError(
-            f"trainer: mesh {mesh.shape}: checkpoints of a tensor-parallel module with "
-            "dp_replicate > 1 are not supported yet; use init_mesh(tp=T) (dp_shard only)"
-        )
     return mesh
 
 
@@ -117,7 +112,7 @@ def _to_writer(
     local slot on dp rank ``d`` (the writer's; a collective over the dp group, which the dp
     groups of every tp rank holding a piece run), then the writer's tp group gathers it."""
     size, split = tp.size, tp.splits[i]
-    d, r = divmod(w, size)  # the writer's dp and tp coordinates (dp_replicate is 1)
+    d, r = divmod(w, size)  # the writer's dp and tp coordinates (tp innermost: mesh_ranks)
     if split is None and tp.rank != r:
         return None  # the writer's own dp group holds all of it
     piece = local(d)
