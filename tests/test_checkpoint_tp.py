@@ -47,6 +47,7 @@ def _trainer(
     dtype: torch.dtype = F64,
     frozen: tuple[str, ...] = (),
     replicate: int = 1,
+    preset: str = "tiny",
 ):
     """The tiny GPT on ``init_mesh(tp=tp)``, split by ``plan``, in ``mode``; the sharded modes
     keep a master copy (float32 for a bfloat16 model); ``frozen`` parameters do not train."""
@@ -55,7 +56,7 @@ def _trainer(
         mesh = torchshard.init_mesh(dp_replicate=replicate, tp=tp)
         torch.manual_seed(0)
         with torch.device("meta"):
-            model = GPT(CFG)
+            model = GPT(GPTConfig.preset(preset))
     finally:
         torch.set_default_dtype(torch.float32)
     for name in frozen:
@@ -156,9 +157,8 @@ def _load_and_save(src: str, dst: str, tp: int, mode: str, **kw) -> dict | None:
     _, _, tr, opt = _trainer(tp, mode, **kw)
     info = checkpoint.load(src, tr, optimizer=opt)
     checkpoint.save(dst, tr, step=info.step, optimizer=opt, extra=info.extra)
-    out = None
+    out = {"read": info.bytes_read}
     if dist.get_world_size() == 1:  # the live optimizer's state, whole parameters
-        out = {}
         for i, _, _, p in tr.optimizer_segments():
             st = opt.state[p]
             out[i] = {k: v.clone() for k, v in st.items()}
@@ -324,8 +324,8 @@ def test_a_22_save_loads_at_any_degree_and_mode(tmp_path, saved, loads):
             from torchshard._flat.layout import FlatLayout
 
             layout = FlatLayout.from_dict(meta["layout"])
-            assert len(got[0]) == len(layout.slots)
-            for i, st in got[0].items():
+            assert len(got[0]) == len(layout.slots) + 1
+            for i, st in ((i, st) for i, st in got[0].items() if i != "read"):
                 s = layout.slots[i]
                 for k in ("exp_avg", "exp_avg_sq"):
                     assert torch.equal(st[k].reshape(-1), streams[k][s.offset : s.end]), (k, i)
@@ -397,6 +397,22 @@ def test_a_replicated_mesh_saves_and_hybrid_sharding_is_refused(tmp_path):
     assert_same_picture(_one(a), _one(b))
     for message in run_distributed(_hybrid, 4, str(tmp_path / "c"), timeout=120):
         assert "tp=2" in message and "hybrid sharding" in message, message
+
+
+def test_a_load_reads_the_files_about_once(tmp_path):
+    """The small GPT (20 MB of files): a load at (1, 2) or (2, 2) reads each byte about once
+    across the ranks (a rowwise weight: each tp rank an equal block of rows, exchanged after),
+    where reading a dim-1 split whole on each tp rank would read 1.4x the files."""
+    src = tmp_path / "src"
+    run_distributed(_save, 4, str(src), 2, "rep", 1, timeout=120, preset="small")
+    files = sum(p.stat().st_size for p in _one(src).glob("*.safetensors"))
+    for dp, tp, mode in [(1, 2, "rep"), (2, 2, "full")]:
+        dst = str(tmp_path / f"{dp}x{tp}")
+        got = run_distributed(
+            _load_and_save, dp * tp, str(_one(src)), dst, tp, mode, timeout=120, preset="small"
+        )
+        read = sum(r["read"] for r in got)
+        assert files <= read < 1.2 * files, (dp, tp, mode, read, files)
 
 
 def test_a_failure_on_one_rank_raises_on_every_rank(tmp_path):

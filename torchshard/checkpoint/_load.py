@@ -343,7 +343,7 @@ def _load_one(
 ) -> CheckpointInfo | _Refusal:
     """Load the checkpoint ``given`` (or the latest under it), or say why every rank refused
     it, having changed nothing: see :func:`load`."""
-    error, share, path, comm = None, None, given, None
+    error, share, path, comm, finish = None, None, given, None, None
     readers = None
     try:
         path = resolve(path)
@@ -351,7 +351,8 @@ def _load_one(
         _check_compatible(meta, t, optimizer)
         readers = Readers(meta)
         if t.tp is not None:  # its local pieces of the whole tensors
-            share = _Read(*read_share_tp(meta, t, optimizer, readers))
+            read, finish = read_share_tp(meta, t, optimizer, readers)
+            share = _Read(*read)
         else:
             share = _read_share(meta, t, optimizer, readers)
         comm = read_comm(meta, t, readers, comm_error)  # the compression state: _comm_state
@@ -378,6 +379,8 @@ def _load_one(
         return refusal
     assert share is not None
     try:
+        if finish is not None:  # a split module: the tp group's exchange of what it read
+            finish()
         _apply(meta, t, share, optimizer)
         note = apply_comm(t, comm)
         t.after_load()  # e.g. units gathered now hold the old weights
