@@ -51,6 +51,7 @@ from ._reads import (
 from ._rules import OPTIMIZER_RULES
 from ._streams import Stream
 from ._target import Checkpointable, CheckpointInfo, Target
+from ._tp_load import check_plan, read_share_tp, spread_error
 
 __all__ = ["load"]
 
@@ -67,7 +68,7 @@ class _Refusal:
 
 
 def _check_compatible(meta: Metadata, t: Target, optimizer: torch.optim.Optimizer | None) -> None:
-    diff = layout_difference(meta.layout, t.fm.layout)
+    diff = layout_difference(meta.layout, t.whole)
     if diff is not None:
         raise CheckpointError(
             f"{meta.path}: the checkpoint is of a different model; first difference "
@@ -79,6 +80,7 @@ def _check_compatible(meta: Metadata, t: Target, optimizer: torch.optim.Optimize
             f"{meta.path}: module buffers differ: checkpoint has {sorted(set(meta.buffers) - live)} "
             f"that the model lacks, the model has {sorted(live - set(meta.buffers))} that the checkpoint lacks"
         )
+    check_plan(meta, t)
     if optimizer is None:
         return
     saved = meta.optim
@@ -341,14 +343,18 @@ def _load_one(
 ) -> CheckpointInfo | _Refusal:
     """Load the checkpoint ``given`` (or the latest under it), or say why every rank refused
     it, having changed nothing: see :func:`load`."""
-    error, share, path, comm = None, None, given, None
+    error, share, path, comm, finish = None, None, given, None, None
     readers = None
     try:
         path = resolve(path)
         meta = read_metadata(path)
         _check_compatible(meta, t, optimizer)
         readers = Readers(meta)
-        share = _read_share(meta, t, optimizer, readers)
+        if t.tp is not None:  # its local pieces of the whole tensors
+            read, finish = read_share_tp(meta, t, optimizer, readers)
+            share = _Read(*read)
+        else:
+            share = _read_share(meta, t, optimizer, readers)
         comm = read_comm(meta, t, readers, comm_error)  # the compression state: _comm_state
     except CheckpointError as e:
         error = str(e)
@@ -360,6 +366,7 @@ def _load_one(
         if readers is not None:
             readers.close()
     try:
+        error = spread_error(t, error)  # a tp peer's, then the dp group's: every rank's
         refusal = _agree(t, error, path)
     except CheckpointError:
         raise
@@ -372,6 +379,8 @@ def _load_one(
         return refusal
     assert share is not None
     try:
+        if finish is not None:  # a split module: the tp group's exchange of what it read
+            finish()
         _apply(meta, t, share, optimizer)
         note = apply_comm(t, comm)
         t.after_load()  # e.g. units gathered now hold the old weights

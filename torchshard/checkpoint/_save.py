@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ from ._staging import (
     resolve_device,
 )
 from ._target import Checkpointable, Target
+from ._tp_save import save_tp
 
 __all__ = ["CheckpointFuture", "Writer", "async_save", "save"]
 
@@ -155,6 +157,12 @@ class Writer:
                     raise CheckpointError(f"the previous checkpoint save failed: {e}") from e
         extra_json = check_save_args(step, extra)
         target = Target(obj)
+        if target.tp is not None:  # the files of the whole model, now (_tp)
+            done = save_tp(
+                target, Path(root), step, optimizer, extra_json, keep_last, frozen, _tp_files
+            )
+            self._inflight = CheckpointFuture(done)
+            return self._inflight
         seq = target.coord.next_sequence() if target.coord is not None else 0
         root = Path(root)
         device = resolve_device(target.device)
@@ -279,12 +287,26 @@ def _as_checkpoint_error(e: BaseException) -> CheckpointError:
     return CheckpointError(f"writing the checkpoint failed: {type(e).__name__}: {e}")
 
 
+@dataclass(frozen=True)
+class _Writing:
+    """Who writes: file number ``rank`` of a save at ``world`` ranks (a split module's save
+    numbers its files by the mesh's ranks, not by the data-parallel group's)."""
+
+    rank: int
+    world: int
+
+
+def _tp_files(rank: int, world: int, share: Share, tmp: Path) -> dict[str, dict[str, Any]]:
+    return _write_files(_Writing(rank, world), share, tmp)
+
+
 def _write_files(
-    t: Target, share: Share, tmp: Path, direct: DirectBlock | None = None
+    t: Target | _Writing, share: Share, tmp: Path, direct: DirectBlock | None = None
 ) -> dict[str, dict[str, Any]]:
+    rank, world = t.rank, t.world
     records: dict[str, FileRecord] = {}
     if share.weights:
-        name = model_file(t.rank, t.world)
+        name = model_file(rank, world)
         records[name] = write_safetensors(tmp / name, share.weights, direct=direct)
     s, e = share.plan.state_range
     # each stream's elements in this range (stored: see stored_parts); a stream with none
@@ -292,7 +314,7 @@ def _write_files(
     sizes = [sum(x if isinstance(x, int) else x.numel() for x in p) for _, _, p in share.optim]
     streams = [(o, n) for o, n in zip(share.optim, sizes) if n]
     if share.optim and e > s:
-        name = optim_file(t.rank, t.world)
+        name = optim_file(rank, world)
         entries = [(key, dtype, (n,)) for (key, dtype, _), n in streams]
         with SafetensorsWriter(tmp / name, entries, {"range": f"{s},{e}"}, direct) as out:
             for (_, dtype, pieces), _ in streams:
@@ -303,7 +325,7 @@ def _write_files(
                         out.write_tensor(piece)
             records[name] = out.finish()
     if share.comm:  # this rank's ranges of the compression state (_comm_meta)
-        name = comm_file(t.rank, t.world)
+        name = comm_file(rank, world)
         records[name] = write_safetensors(tmp / name, share.comm, direct=direct)
     return {k: v.to_dict() for k, v in records.items()}
 
@@ -352,6 +374,10 @@ def async_save(
     With ``shard="full"`` no rank holds its share of the files: it is assembled
     from every rank's stripes inside this call (collectives, unit by unit), so
     only the writing is left to the background.
+
+    A tensor-parallel module (``tp_plan=``, ``init_mesh(tp=T)``) is saved as the whole
+    model's files within this call, which returns a finished future (``docs/checkpoint-
+    format.md``, "Tensor parallelism").
 
     Example::
 

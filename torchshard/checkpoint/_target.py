@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from .._dist import exchange_bytes
 from .._errors import CheckpointError
+from .._flat.layout import FlatLayout
 from .._flat.module import FlatParamModule
+from .._flat.tp import TensorParallel
 from .._parallel.state import TrainState
 from ._stripes import Stripes
 
@@ -180,6 +182,17 @@ class Target:
         return exchange_bytes(data, self.group, self.device)
 
     @property
+    def tp(self) -> TensorParallel | None:
+        """The module's tensor parallelism, when it splits over more than one rank."""
+        tp = self.fm.tp
+        return tp if tp is not None and tp.size > 1 else None
+
+    @property
+    def whole(self) -> FlatLayout:
+        """The layout a checkpoint stores: the whole model's (of a split module too)."""
+        return self.fm.tp.whole if self.fm.tp is not None else self.fm.layout
+
+    @property
     def dp(self) -> Ranks:
         """The data-parallel group: every rank saving or loading."""
         return Ranks(self.group, self.rank, self.world)
@@ -197,6 +210,12 @@ def _hybrid(t: TrainState) -> tuple[Ranks, Ranks]:
     ``dp_replicate``), checked against the trainer's data-parallel rank and size."""
     replicas, mesh = getattr(t, "replicas", 1), getattr(t, "mesh", None)
     shape = getattr(mesh, "shape", None)
+    if shape is not None and len(shape) == 3 and shape[2] > 1:
+        raise CheckpointError(
+            f"trainer: hybrid sharding over a mesh {shape} with tp={shape[2]}: checkpoints of "
+            "a tensor-parallel module are not supported with hybrid sharding yet; use "
+            "init_mesh(tp=T) (dp_shard only), or shard=False with dp_replicate"
+        )
     if shape is None or len(shape) != 3 or shape[0] != replicas or shape[2] != 1:
         raise CheckpointError(
             f"trainer: hybrid sharding over {replicas} replicas, but its mesh is {shape} "
