@@ -140,10 +140,7 @@ def test_examples_exit_on_every_rank_for_a_tp_that_does_not_fit(script, world, a
 
 # -- resume at another TP degree ------------------------------------------------------------------
 
-NEEDS_TP_CHECKPOINTS = pytest.mark.skip(reason="needs TP checkpoints (branch tpckpt)")
 
-
-@NEEDS_TP_CHECKPOINTS
 def test_train_gpt_tp2_resumes_at_another_tp_degree(tmp_path):
     """Saved at (dp 2, tp 2) at step 4: resumed at (dp 2, tp 2) it ends bitwise as the
     uninterrupted run; at (dp 2, tp 1), (dp 1, tp 2) and one process it logs the same step-8
@@ -170,7 +167,6 @@ def test_train_gpt_tp2_resumes_at_another_tp_degree(tmp_path):
         assert got[8] == pytest.approx(want[8], abs=2e-4), (nproc, tp, text)
 
 
-@NEEDS_TP_CHECKPOINTS
 def test_finetune_hf_tp2_resumes_at_another_tp_degree(tmp_path):
     """Saved at (dp 1, tp 2) at step 2 of 4: resumed at one process and at (dp 2, tp 1) it
     logs the uninterrupted run's step-4 loss up to float32 rounding, and the checkpoint
