@@ -12,8 +12,8 @@
 - A (2, 2) run resumed from its step-2 save is bitwise the uninterrupted one, in each mode.
 - A checkpoint whose plan splits a parameter otherwise raises ``CheckpointError`` naming it,
   on every rank; a save or load that fails on one rank fails on all, and nothing hangs.
-- A dp_replicate 2 x tp 2 mesh (replicated) saves the same picture; hybrid sharding with tp
-  is refused on every rank.
+- A dp_replicate 2 x tp 2 mesh (replicated) saves the same picture; so does hybrid sharding
+  (dp_replicate 2 x tp 2, in both sharded modes), which loads at other degrees and resumes.
 - ``async_save`` (a finished future) and a ``Checkpointer`` (rotating) save alike.
 - The save's collectives send each element to its writer only (under twice the files' bytes
   in all at (2, 2)).
@@ -166,8 +166,8 @@ def _load_and_save(src: str, dst: str, tp: int, mode: str, **kw) -> dict | None:
     return out
 
 
-def _resume(root: str, mode: str, stop: int, at: int | None) -> dict | None:
-    mesh, fm, tr, opt = _trainer(2, mode)
+def _resume(root: str, mode: str, stop: int, at: int | None, **kw) -> dict | None:
+    mesh, fm, tr, opt = _trainer(2, mode, **kw)
     start = 0
     if at is not None:
         start = checkpoint.load(root, tr, optimizer=opt).step
@@ -229,17 +229,6 @@ def _bytes_sent(root: str, mode: str) -> int:
             setattr(dist, name, f)
     tr.close()
     return sent[0]
-
-
-def _hybrid(root: str) -> str:
-    _, _, tr, opt = _trainer(2, "shard", replicate=2)
-    try:
-        checkpoint.save(root, tr, step=1, optimizer=opt)
-    except CheckpointError as e:
-        return str(e)
-    finally:
-        tr.close()
-    return "saved"
 
 
 def _failures(root: str) -> list[str]:
@@ -388,15 +377,42 @@ def test_a_save_moves_each_element_to_its_writer_only(tmp_path, mode):
     assert max(sent) < files / 2, (sent, files)
 
 
-def test_a_replicated_mesh_saves_and_hybrid_sharding_is_refused(tmp_path):
+def test_a_replicated_mesh_saves_the_22_picture(tmp_path):
     """A (dp_replicate 2) x tp 2 mesh trains replicated over mesh.dp: its save is the picture
-    a (2, 2) one writes; hybrid sharding with tp is refused with a clear error, on every rank."""
+    a (2, 2) one writes."""
     a, b = tmp_path / "a", tmp_path / "b"
     run_distributed(_save, 4, str(a), 2, "rep", 1, timeout=120, replicate=2)
     run_distributed(_save, 4, str(b), 2, "rep", 1, timeout=120)
     assert_same_picture(_one(a), _one(b))
-    for message in run_distributed(_hybrid, 4, str(tmp_path / "c"), timeout=120):
-        assert "tp=2" in message and "hybrid sharding" in message, message
+
+
+@pytest.mark.parametrize("mode", ["shard", "full"])
+def test_hybrid_sharding_with_tp_saves_loads_and_resumes(tmp_path, mode):
+    """Hybrid sharding (dp_replicate 2 x tp 2, one shard per replica): the save is the picture
+    a (2, 2) save of the same run writes; it loads at (1, 1), (2, 1), (1, 2) and hybrid
+    (2, 2) again (each saved again: the same picture, bit for bit), and a hybrid run resumed
+    from it is bitwise the uninterrupted one."""
+    root, plain = tmp_path / "ckpt", tmp_path / "plain"
+    got = run_distributed(_save, 4, str(root), 2, mode, 2, timeout=120, replicate=2)[0]
+    run_distributed(_save, 4, str(plain), 2, mode, 2, timeout=120)
+    path = _one(root)
+    assert_same_picture(path, _one(plain))
+    weights, _, _ = picture(path)
+    for name, w in got["weights"].items():
+        assert torch.equal(weights[name], w), name
+    for dp, tp, other, kw in [
+        (1, 1, "rep", {}),
+        (2, 1, "full", {}),
+        (1, 2, "shard", {}),
+        (2, 2, mode, {"replicate": 2}),
+    ]:
+        dst = tmp_path / f"{dp}x{tp}-{other}"
+        run_distributed(_load_and_save, dp * tp, str(path), str(dst), tp, other, timeout=120, **kw)
+        assert_same_picture(path, _one(dst))
+    resumed = run_distributed(_resume, 4, str(root), mode, 4, 2, timeout=120, replicate=2)[0]
+    straight = run_distributed(_resume, 4, str(root), mode, 4, None, timeout=120, replicate=2)
+    for name in straight[0]:
+        assert torch.equal(resumed[name], straight[0][name]), name
 
 
 def test_a_load_reads_the_files_about_once(tmp_path):

@@ -210,16 +210,10 @@ def _hybrid(t: TrainState) -> tuple[Ranks, Ranks]:
     ``dp_replicate``), checked against the trainer's data-parallel rank and size."""
     replicas, mesh = getattr(t, "replicas", 1), getattr(t, "mesh", None)
     shape = getattr(mesh, "shape", None)
-    if shape is not None and len(shape) == 3 and shape[2] > 1:
-        raise CheckpointError(
-            f"trainer: hybrid sharding over a mesh {shape} with tp={shape[2]}: checkpoints of "
-            "a tensor-parallel module are not supported with hybrid sharding yet; use "
-            "init_mesh(tp=T) (dp_shard only), or shard=False with dp_replicate"
-        )
-    if shape is None or len(shape) != 3 or shape[0] != replicas or shape[2] != 1:
+    if shape is None or len(shape) != 3 or shape[0] != replicas:
         raise CheckpointError(
             f"trainer: hybrid sharding over {replicas} replicas, but its mesh is {shape} "
-            "(expected (dp_replicate, dp_shard, 1) with dp_replicate = trainer.replicas): "
+            "(expected (dp_replicate, dp_shard, tp) with dp_replicate = trainer.replicas): "
             "a checkpoint cannot tell which ranks hold which shards"
         )
     replica, shard, _ = mesh.coordinate
