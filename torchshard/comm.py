@@ -17,6 +17,9 @@ and ``TopK``: float32 or float64 gradients, one dtype, and no ``reduce_dtype``) 
 :class:`CommError` on every rank when the trainer is built. ``BF16``/``FP16`` also work with
 hybrid sharding (a mesh with replicas and ``shard=True``); ``Star`` does not. With
 ``shard=False`` a mesh is a data-parallel group like any other, so every comm works there.
+With tensor parallelism (``init_mesh(tp=T)``) each tp rank compresses its own pieces' gradients
+over ``mesh.dp``; ``TopK`` is refused there (its pick over a bucket mixing split and replicated
+parameters would let the tp ranks' replicated parameters drift apart).
 
 Compression runs when gradients are synchronized (never inside ``no_sync()``); the
 used-parameter mask always travels exactly (on a lossy comm: as its own int32 all-reduce).

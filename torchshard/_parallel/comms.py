@@ -158,7 +158,8 @@ class PowerSGD:
 class TopK:
     """Experimental: each rank sends the ``ratio`` largest entries (in magnitude) of each
     bucket's gradient plus its error, and keeps the rest as error for the next step; the
-    ranks all-gather every rank's values and indices and sum them. ``shard=False`` only.
+    ranks all-gather every rank's values and indices and sum them. ``shard=False`` only, and
+    no tensor parallelism (``tp=1``).
 
     Example::
 
@@ -208,11 +209,12 @@ def check_comm(
     world_size: int,
     dtypes: tuple[torch.dtype, ...],
     reduce_dtype: torch.dtype | None,
+    tp: int = 1,
 ) -> Comm:
     """``comm`` (``None``: :class:`AllReduce`) checked against the mode (``kinds`` it
     offers; ``refusal``: why it offers no others), its replicas, the group's size, the
-    gradients' dtypes and ``reduce_dtype``; :class:`CommError` otherwise. Pure: every rank
-    given the same arguments raises alike.
+    gradients' dtypes, ``reduce_dtype`` and the tensor-parallel degree ``tp``;
+    :class:`CommError` otherwise. Pure: every rank given the same arguments raises alike.
 
     Example::
 
@@ -245,6 +247,13 @@ def check_comm(
         raise CommError(
             f"reduce_dtype={reduce_dtype}: comm={comm!r} decides the dtype gradients travel "
             "in; leave reduce_dtype=None"
+        )
+    if isinstance(comm, TopK) and tp > 1:
+        raise CommError(
+            f"comm={comm!r}: not available with tensor parallelism (tp={tp}): each tp rank "
+            "picks its entries over a bucket that mixes split and replicated parameters, so "
+            "the tp ranks would update the replicated ones differently; use PowerSGD (which "
+            "compresses each matrix apart) or a dense comm"
         )
     if kind == "compress" and (len(dtypes) != 1 or dtypes[0] not in _COMPRESSED):
         got = ", ".join(str(d) for d in dtypes)

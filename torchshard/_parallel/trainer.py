@@ -635,6 +635,7 @@ def _check_comm(
         world_size=t.world_size,
         dtypes=fm.dtypes,
         reduce_dtype=reduce_dtype,
+        tp=fm.tp.size if fm.tp is not None else 1,
     )
 
 
