@@ -227,6 +227,14 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "checkpoint._metadata",
         "checkpoint._reads",
         "checkpoint._target",
+        "checkpoint._tp_comm",
+    },
+    # a split module's comm state: the whole picture of the error, each tp rank's Q
+    "checkpoint._tp_comm": {
+        "checkpoint._comm_meta",
+        "checkpoint._metadata",
+        "checkpoint._plan",
+        "checkpoint._target",
     },
     "checkpoint._metadata": {
         "_errors",
@@ -318,6 +326,8 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "_errors",
         "_flat.hf",
         "_flat.tp",
+        "checkpoint._comm_meta",
+        "checkpoint._comm_state",
         "checkpoint._format",
         "checkpoint._optim",
         "checkpoint._plan",

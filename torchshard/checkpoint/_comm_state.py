@@ -35,6 +35,7 @@ from ._comm_meta import ERROR, comm_json, comm_ranges, describe
 from ._metadata import Metadata, Readers
 from ._reads import BROADCAST_BACKENDS, gather_whole, whole_ranges
 from ._target import Target
+from ._tp_comm import saved_tp, tp_numel, tp_read, tp_snapshot
 
 __all__ = ["COMM_ERROR", "CommRead", "CommSnapshot", "apply_comm", "read_comm", "snapshot_comm"]
 
@@ -91,6 +92,8 @@ def snapshot_comm(t: Target) -> CommSnapshot:
     state = live.state
     if not state:
         return CommSnapshot()
+    if t.tp is not None:  # the whole model's picture, at the mesh's world size: _tp_comm
+        return CommSnapshot(*tp_snapshot(t, live.cls, live.settings, state))
     flat = {n: x.detach() for n, x in sorted(state.items()) if x.dim() == 1}
     if ERROR in flat:
         mean = flat[ERROR].clone()
@@ -120,6 +123,7 @@ class CommRead:
     tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     scalars: dict[str, int] = dataclasses.field(default_factory=dict)
     reset: bool = False
+    complete: bool = False  # a split module's: each tensor read whole, nothing to gather
 
 
 def check_comm_error(comm_error: object) -> str:
@@ -150,20 +154,24 @@ def read_comm(meta: Metadata, t: Target, readers: Readers, comm_error: str) -> C
         note = f"{where}: the compression state of {saved} ({held}) is dropped: {now} keeps none"
         return CommRead(note, True)
     same = saved.cls == now.cls and _shaping(saved.settings) == _shaping(now.settings)
-    loaded, kept, tensors = [], [], {}
+    loaded, kept, moved, tensors = [], [], [], {}
+    degrees = (saved_tp(meta), t.tp.size if t.tp is not None else 1)
     for name, x in live.items():
         if x.dim() == 0:
             continue
-        spec = saved.flat.get(name)
-        if name == ERROR and (spec is None or spec[1] != x.numel()):
+        spec, numel = saved.flat.get(name), tp_numel(t, name, x)
+        if name == ERROR and (spec is None or spec[1] != numel):
             got = "none" if spec is None else f"{spec[1]} elements"
             raise CheckpointError(
-                f"{where}: comm error feedback: expected {x.numel()} elements, got {got}"
+                f"{where}: comm error feedback: expected {numel} elements, got {got}"
             )
-        if spec is None or spec[1] != x.numel() or (name != ERROR and not same):
+        if name != ERROR and spec is not None and degrees[0] != degrees[1]:
+            moved.append(name)  # of another degree's pieces (_tp_comm)
+        elif spec is None or spec[1] != numel or (name != ERROR and not same):
             kept.append(name)
         elif not (name == ERROR and comm_error == "reset"):
-            tensors[name] = _read(meta, readers, t, name)
+            read = _read if t.tp is None else tp_read
+            tensors[name] = read(meta, readers, t, name, x)
             loaded.append(
                 f"{name} (the mean over {_ranks(meta.world_size)})" if name == ERROR else name
             )
@@ -180,7 +188,13 @@ def read_comm(meta: Metadata, t: Target, readers: Readers, comm_error: str) -> C
         note += f"; the saved {', '.join(unfit)} does not fit {now}: it keeps its own"
     if len(unfit) < len(kept):
         note += f"; kept this trainer's {', '.join(n for n in kept if n not in unfit)}"
-    return CommRead(note, bool(dropped or kept), tensors, scalars, comm_error == "reset")
+    if moved:
+        note += (
+            f"; the saved {', '.join(moved)} is of tp={degrees[0]}'s pieces, this trainer "
+            f"splits at tp={degrees[1]}: it keeps its own (a degree change resets Q)"
+        )
+    warn, reset = bool(dropped or kept or moved), comm_error == "reset"
+    return CommRead(note, warn, tensors, scalars, reset, t.tp is not None)
 
 
 def _ranks(n: int) -> str:
@@ -192,7 +206,7 @@ def _shaping(settings: dict[str, object]) -> dict[str, object]:
     return {k: v for k, v in settings.items() if k != "start_step"}
 
 
-def _read(meta: Metadata, readers: Readers, t: Target, name: str) -> torch.Tensor:
+def _read(meta: Metadata, readers: Readers, t: Target, name: str, _: object) -> torch.Tensor:
     """Flat tensor ``name`` in host memory, whole-sized, holding this rank's equal parts
     (:func:`~._reads.whole_ranges`); an all-gather completes it (:func:`apply_comm`)."""
     assert meta.comm is not None
@@ -221,7 +235,11 @@ def apply_comm(t: Target, read: CommRead | None) -> str:
         state = dict(live)
         for name, host in read.tensors.items():
             full = host.to(live[name].device)
-            for work in gather_whole(full, full.numel(), t, by_broadcast=by_broadcast):
+            for work in (
+                ()
+                if read.complete
+                else gather_whole(full, full.numel(), t, by_broadcast=by_broadcast)
+            ):
                 work.wait()
             state[name] = full
         for name, value in read.scalars.items():

@@ -34,6 +34,8 @@ from .._dist import exchange_bytes
 from .._errors import CheckpointError
 from .._flat.hf import transformers_config
 from .._flat.tp import TensorParallel
+from ._comm_meta import with_comm
+from ._comm_state import snapshot_comm
 from ._format import build_metadata, commit, prepare, rotate, step_dir, tmp_dir
 from ._optim import OptimizerView
 from ._plan import SharePlan, overlap, state_ranges, stored_parts, trainable_only, weight_runs
@@ -211,14 +213,10 @@ def save_tp(
             "trainer: a tensor-parallel module with parameters of several dtypes cannot be "
             "checkpointed yet; cast the model to one dtype"
         )
-    comm_state = getattr(t.trainer, "comm_state", None)
-    if comm_state is not None and comm_state():
-        raise CheckpointError(
-            "trainer: the compression state of a lossy comm (PowerSGD, TopK) of a "
-            "tensor-parallel trainer cannot be saved yet; train it with a dense comm"
-        )
     g, world = mesh.rank, mesh.world_size
     share, optim_meta = _collect(t, tp, g, world, optimizer, frozen)
+    comm = snapshot_comm(t)  # a lossy comm's state, in the whole picture: _tp_comm
+    share.comm = list(comm.tensors)
     path, tmp = step_dir(root, step), tmp_dir(root, step)
     if g == 0:
         for name, b in t.buffers().items():
@@ -248,6 +246,7 @@ def save_tp(
         config = transformers_config(t.fm.module, tp.whole.dtypes[0])
         meta = build_metadata(tp.whole, world, step, buffers, optim_meta, extra, config, frozen)
         meta["tp"] = tp.to_json()
+        meta = with_comm(meta, comm.section)
         try:
             commit(tmp, path, meta, files, share.buffer_bytes)
             if keep_last is not None:
