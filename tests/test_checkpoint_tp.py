@@ -15,6 +15,8 @@
 - A dp_replicate 2 x tp 2 mesh (replicated) saves the same picture; so does hybrid sharding
   (dp_replicate 2 x tp 2, in both sharded modes), which loads at other degrees and resumes.
 - ``async_save`` (a finished future) and a ``Checkpointer`` (rotating) save alike.
+- ``torchshard consolidate`` of a (2, 2) Llama checkpoint (``tp_plan="auto"``) loads with
+  ``AutoModelForCausalLM.from_pretrained``, bitwise the gathered live weights.
 - The save's collectives send each element to its writer only (under twice the files' bytes
   in all at (2, 2)).
 """
@@ -229,6 +231,59 @@ def _bytes_sent(root: str, mode: str) -> int:
             setattr(dist, name, f)
     tr.close()
     return sent[0]
+
+
+def _llama(root: str) -> dict | None:
+    """A tiny LlamaForCausalLM (random init from a LlamaConfig, nothing downloaded) split
+    with tp_plan="auto" at (dp 2, tp 2), float32, 2 AdamW steps (shard=True), saved."""
+    import transformers
+
+    mesh = torchshard.init_mesh(tp=2)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    fm = FlatParamModule(model, tp_plan="auto", mesh=mesh)
+    tr = DistributedTrainer(fm, mesh=mesh, shard=True)
+    opt = tr.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    d = mesh.dp_rank
+    for step in range(2):
+        x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(10 + step))
+        opt.zero_grad()
+        fm(input_ids=x[2 * d : 2 * d + 2], labels=x[2 * d : 2 * d + 2]).loss.backward()
+        tr.average_gradients()
+        tr.step()
+    checkpoint.save(root, tr, step=2, optimizer=opt)
+    weights = _whole_weights(fm, tr)
+    tr.close()
+    return weights if dist.get_rank() == 0 else None
+
+
+def test_a_22_llama_exports_for_from_pretrained_bitwise(tmp_path):
+    """``torchshard consolidate`` of a (dp 2, tp 2) Llama checkpoint (tp_plan="auto"): the
+    directory ``AutoModelForCausalLM.from_pretrained`` loads holds every parameter bit for
+    bit as the trainer held it, gathered over dp and tp."""
+    transformers = pytest.importorskip("transformers")
+    from torchshard._cli import main
+
+    live = run_distributed(_llama, 4, str(tmp_path / "ckpt"), timeout=180)[0]
+    meta = json.loads((_one(tmp_path / "ckpt") / "metadata.json").read_text())
+    assert meta["tp"]["tp"] == 2 and meta["tp"]["splits"]  # split, saved at (2, 2)
+    assert main(["consolidate", str(_one(tmp_path / "ckpt")), str(tmp_path / "hf")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == "LlamaForCausalLM"
+    loaded = dict(model.named_parameters())
+    assert loaded.keys() == live.keys()
+    for name, w in live.items():
+        assert loaded[name].dtype == w.dtype and torch.equal(loaded[name].detach(), w), name
 
 
 def _failures(root: str) -> list[str]:
