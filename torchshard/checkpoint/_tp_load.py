@@ -207,7 +207,10 @@ def read_share_tp(
     assert tp is not None
     layout, src = t.fm.layout, _Whole(meta, readers, tp)
     if layout.mixed:
-        raise CheckpointError("trainer: a tensor-parallel module of several dtypes cannot load yet")
+        raise CheckpointError(
+            "trainer: a tensor-parallel module with parameters of several dtypes cannot load "
+            "a checkpoint yet; load it at tp=1, or cast the model to one dtype"
+        )
     index = {id(s): i for i, s in enumerate(layout.slots)}
     saved = {meta.layout.slots[i].name for i in src.file}
     if meta.raw["weights"].get("frozen", True) is False:

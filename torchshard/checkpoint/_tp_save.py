@@ -211,7 +211,8 @@ def save_tp(
     if tp.whole.mixed:
         raise CheckpointError(
             "trainer: a tensor-parallel module with parameters of several dtypes cannot be "
-            "checkpointed yet; cast the model to one dtype"
+            "checkpointed yet; cast the model to one dtype (bfloat16 weights keep a float32 "
+            "master with master_dtype=torch.float32), or train it at tp=1"
         )
     g, world = mesh.rank, mesh.world_size
     share, optim_meta = _collect(t, tp, g, world, optimizer, frozen)
