@@ -25,6 +25,7 @@ import torch.distributed as dist
 from gpt import GPT, TP_PLAN, GPTConfig, init_gpt_weights
 from multiprocess import run_distributed
 from safetensors.torch import load_file
+from test_checkpoint_tp import _steps
 
 import torchshard
 from torchshard import DistributedTrainer, FlatParamModule, checkpoint
@@ -49,20 +50,6 @@ def _trainer(dp: int, tp: int, comm: object = POWERSGD):
     fm = FlatParamModule(model, **split)
     tr = DistributedTrainer(fm, mesh=mesh, comm=comm, init_fn=init_gpt_weights)
     return mesh, fm, tr, tr.make_optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
-
-
-def _steps(mesh, fm, tr, opt, start: int, stop: int) -> None:
-    """One global batch of 4 rows per step, cut over the data-parallel ranks."""
-    n = 4 // mesh.dp_size
-    for step in range(start, stop):
-        g = torch.Generator().manual_seed(100 + step)
-        x = torch.randint(0, CFG.vocab_size, (4, 16), generator=g)
-        y = torch.randint(0, CFG.vocab_size, (4, 16), generator=g)
-        d = mesh.dp_rank
-        opt.zero_grad()
-        fm(x[n * d : n * (d + 1)], y[n * d : n * (d + 1)])[1].backward()
-        tr.average_gradients()
-        tr.step()
 
 
 def _whole(fm, i: int, x: torch.Tensor) -> torch.Tensor:

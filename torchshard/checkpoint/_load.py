@@ -42,6 +42,7 @@ from ._reads import (
     into_shards,
     live_weights,
     packed,
+    read_buffers,
     read_state,
     to_shards,
     weight_reads,
@@ -168,13 +169,7 @@ def _read_share(
                 take = read.read_bytes_into if layout.mixed else read.read_into
                 take(slot.name, a - slot.offset, b - slot.offset, dst)
     zero_gaps(weights, written, within)
-    buffers = {}
-    for name, want in t.buffers().items():
-        file = meta.buffers[name]
-        readers.entry(file, name, want.dtype, tuple(want.shape))
-        host = torch.empty(want.shape, dtype=want.dtype)
-        readers[file].read_into(name, 0, host.numel(), host.view(-1))
-        buffers[name] = host
+    buffers = read_buffers(t, meta, readers)
     state, holdings = {}, {}
     if optimizer is not None:
         assert meta.optim is not None

@@ -37,6 +37,7 @@ __all__ = [
     "live_weights",
     "packed",
     "packed_bytes",
+    "read_buffers",
     "read_state",
     "restrict",
     "shard_runs",
@@ -164,6 +165,18 @@ class Holding:
         parts = [(a, b, at + pos - x) for x, y, at in equal for a, b, pos in held.reads(x, y)]
         direct = [(a, b, pos) for x, y, _ in equal for a, b, pos in held.reads(x, y)]
         return cls(parts, sum(y - x for x, y, _ in equal), held.numel, held.position, direct)
+
+
+def read_buffers(t: Target, meta: Metadata, readers: Readers) -> dict[str, torch.Tensor]:
+    """The module buffers the checkpoint holds, read whole into host tensors by name."""
+    buffers = {}
+    for name, want in t.buffers().items():
+        file = meta.buffers[name]
+        readers.entry(file, name, want.dtype, tuple(want.shape))
+        host = torch.empty(want.shape, dtype=want.dtype)
+        readers[file].read_into(name, 0, host.numel(), host.view(-1))
+        buffers[name] = host
+    return buffers
 
 
 def packed_bytes(runs: Sequence[tuple[int, int, int]]) -> tuple[list[tuple[int, int, int]], int]:

@@ -24,7 +24,15 @@ from .._flat.tp import TensorParallel
 from ._metadata import Metadata, Readers
 from ._optim import MASTER, OptimizerView
 from ._plan import overlap
-from ._reads import Holding, Parts, live_weights, read_state, weight_reads, zero_gaps
+from ._reads import (
+    Holding,
+    Parts,
+    live_weights,
+    read_buffers,
+    read_state,
+    weight_reads,
+    zero_gaps,
+)
 from ._streams import Stream
 from ._target import Target
 
@@ -227,13 +235,7 @@ def read_share_tp(
         dst.copy_(live_weights(t, live, slot, a, b, shift))
 
     zero_gaps(weights, _fill(layout, reads, weights, weight), within)
-    buffers = {}
-    for name, want in t.buffers().items():
-        file = meta.buffers[name]
-        readers.entry(file, name, want.dtype, tuple(want.shape))
-        host = torch.empty(want.shape, dtype=want.dtype)
-        readers[file].read_into(name, 0, host.numel(), host.view(-1))
-        buffers[name] = host
+    buffers = read_buffers(t, meta, readers)
     state, holdings = {}, {}
     if optimizer is not None:
         assert meta.optim is not None
