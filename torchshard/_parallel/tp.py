@@ -67,9 +67,9 @@ def agree_tp(fm: FlatParamModule, device: torch.device) -> None:
             "(their layouts or plans differ); build the same model with the same tp_plan "
             "on every rank"
         )
-    state = torch.get_rng_state()
+    state = torch.get_rng_state().to(device)  # NCCL serves no CPU tensor
     dist.broadcast(state, _root(fm), group=tp.group)
-    torch.set_rng_state(state)
+    torch.set_rng_state(state.cpu())
     if device.type == "cuda":
         cuda = torch.cuda.get_rng_state(device).to(device)
         dist.broadcast(cuda, _root(fm), group=tp.group)
