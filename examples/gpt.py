@@ -94,7 +94,10 @@ Megatron's split of each block, a vocabulary-parallel embedding tied to a gather
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer; ``forward(idx, targets=None) -> (logits, loss)``."""
+    """Decoder-only transformer; ``forward(idx, targets=None) -> (logits, loss)``.
+
+    A pipeline stage (:func:`torchshard.split_stages`) may lack modules: without ``wte``
+    it takes hidden states for ``idx``; without ``lm_head`` it returns hidden states."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -111,10 +114,14 @@ class GPT(nn.Module):
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
+        x = idx
+        if self.wte is not None:  # the whole model, or a pipeline's first stage: tokens in
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:  # a pipeline stage iterates only its own blocks
             x = block(x)
+        if self.lm_head is None:  # a pipeline stage before the last: hidden states out
+            return x  # type: ignore[return-value]
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:

@@ -15,6 +15,7 @@ __all__ = [
     "DeviceError",
     "LayoutError",
     "MeshError",
+    "PipelineError",
     "RankMismatchError",
     "TPPlanError",
     "TorchShardError",
@@ -88,3 +89,10 @@ def and_more(items: Sequence[object], limit: int = 3) -> str:
     more"``), so that a message never shows part of a list as if it were all of it."""
     shown = ", ".join(str(i) for i in items[:limit])
     return shown if len(items) <= limit else f"{shown} and {len(items) - limit} more"
+
+
+class PipelineError(TorchShardError, ValueError):
+    """A pipeline that cannot run as asked: a split that leaves out or repeats a module or
+    breaks the layout's order, a degree the world size does not divide, a batch the
+    microbatches do not divide, a schedule not supported. Raised on every rank alike,
+    before the first step."""

@@ -1,0 +1,1 @@
+"""Pipeline parallelism on torch.distributed.pipelining: flat stages (issue 26)."""

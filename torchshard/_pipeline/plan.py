@@ -1,0 +1,204 @@
+"""Pipeline stages, planned: which modules each stage keeps, which slots of the whole
+model's layout it owns (one contiguous run, in stage order) and which it holds as a replica
+(a tied weight reached from another stage). Pure: no tensor data, no process group."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from .._errors import PipelineError
+from .._flat.layout import FlatLayout
+
+__all__ = ["StagePlan", "Tie", "plan_stages", "stage_units"]
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A slot of the whole layout held by two stages: ``owner`` keeps it under ``name``
+    (and counts it), ``holder`` keeps a replica under ``alias``."""
+
+    slot: int
+    name: str
+    owner: int
+    holder: int
+    alias: str
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What each pipeline stage keeps, as the whole model's names and layout slots.
+
+    Example::
+
+        plan = torchshard.plan_stages(model, 2, pp=2)
+        plan.modules[1]          # ('blocks.1', 'ln_f', 'lm_head')
+        plan.owned[1]            # (lo, hi): slots of FlatLayout.from_module(model)
+    """
+
+    modules: tuple[tuple[str, ...], ...]
+    """Per stage, the module (or root parameter) names it keeps, in model order."""
+    owned: tuple[tuple[int, int], ...]
+    """Per stage, its slots ``[lo, hi)`` of the whole layout; they tile the layout in order."""
+    replicas: tuple[tuple[str, ...], ...]
+    """Per stage, the names under which it holds a slot another stage owns."""
+    ties: tuple[Tie, ...]
+    pp: int
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.modules)
+
+    def stage_of_rank(self, pp_rank: int) -> int:
+        """The stage a pipeline rank runs (one stage per rank)."""
+        return pp_rank
+
+
+def stage_units(model: nn.Module) -> list[str]:
+    """The names a split may cut between, in model order: each child of a top-level
+    ``ModuleList``, every other top-level child, every root-level parameter."""
+    units: list[str] = [n for n, _ in model.named_parameters(recurse=False)]
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleList):
+            units += [f"{name}.{i}" for i, _ in child.named_children()]
+        else:
+            units.append(name)
+    return units
+
+
+def plan_stages(
+    model: nn.Module, stages: int | Sequence[Sequence[str]], *, pp: int | None = None
+) -> StagePlan:
+    """Plan a split of ``model`` (the whole model, on meta) into pipeline stages.
+
+    ``stages``: a count (contiguous units balanced by parameter count, see
+    :func:`stage_units`) or, per stage, the names of the modules (or root parameters) it
+    keeps. Every module with parameters must be in exactly one stage, and the stages must
+    follow ``named_parameters()`` order. ``pp``: the pipeline degree (default: one stage
+    per rank); phase 1 runs one stage per rank. Raises :class:`PipelineError`.
+
+    Example::
+
+        plan = torchshard.plan_stages(model, [["wte", "wpe", "blocks.0"],
+                                              ["blocks.1", "ln_f", "lm_head"]], pp=2)
+    """
+    layout = FlatLayout.from_module(model)
+    if isinstance(stages, bool) or not isinstance(stages, (int, list, tuple)):
+        raise PipelineError(f"stages: expected a count or lists of module names, got {stages!r}")
+    n = stages if isinstance(stages, int) else len(stages)
+    pp = n if pp is None else pp
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise PipelineError(f"pp: expected a positive int, got {pp!r}")
+    if n != pp:
+        raise PipelineError(
+            f"stages: expected {pp} stages (one per pipeline rank, pp={pp}), got {n}; "
+            "several stages per rank (interleaved schedules) are not supported yet"
+        )
+    lists = _auto(model, layout, n) if isinstance(stages, int) else _named(model, stages)
+    return _plan(layout, lists, pp)
+
+
+def _named(model: nn.Module, stages: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
+    known = dict(model.named_modules(remove_duplicate=False))
+    params = {n for n, _ in model.named_parameters(recurse=False)}
+    out = []
+    for k, names in enumerate(stages):
+        if isinstance(names, str) or not isinstance(names, (list, tuple)):
+            raise PipelineError(f"stages[{k}]: expected a list of module names, got {names!r}")
+        for name in names:
+            if not isinstance(name, str) or not name or (name not in known and name not in params):
+                near = difflib.get_close_matches(str(name), [*known, *params], n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                raise PipelineError(
+                    f"stages[{k}]: no module or parameter {name!r} in {type(model).__name__}{hint}"
+                )
+        out.append(tuple(names))
+    return out
+
+
+def _auto(model: nn.Module, layout: FlatLayout, n: int) -> list[tuple[str, ...]]:
+    """Contiguous units, cut where the running parameter count crosses k/n of the total."""
+    units = stage_units(model)
+    sizes = []
+    for u in units:
+        names = _slot_names_under(layout, u)
+        sizes.append(sum(layout.slots[i].numel for i in names))
+    if sum(1 for s in sizes if s) < n:
+        raise PipelineError(
+            f"stages: {n} stages need at least {n} units with parameters, "
+            f"{type(model).__name__} has {sum(1 for s in sizes if s)}"
+        )
+    total, run, k, have = sum(sizes), 0, 0, False
+    cuts: list[list[str]] = [[] for _ in range(n)]
+    for i, (u, size) in enumerate(zip(units, sizes)):
+        left = sum(1 for s in sizes[i:] if s)  # units with parameters from here on
+        if size and have and k < n - 1 and (run >= total * (k + 1) / n or left <= n - 1 - k):
+            k, have = k + 1, False
+        cuts[k].append(u)
+        run, have = run + size, have or size > 0
+    return [tuple(c) for c in cuts]
+
+
+def _slot_names_under(layout: FlatLayout, name: str) -> list[int]:
+    """Slots whose canonical name is ``name`` or lies under it."""
+    return [i for i, s in enumerate(layout.slots) if _under(s.name, name)]
+
+
+def _under(param: str, module: str) -> bool:
+    return param == module or param.startswith(module + ".")
+
+
+def _plan(layout: FlatLayout, lists: list[tuple[str, ...]], pp: int) -> StagePlan:
+    where: dict[str, int] = {}
+    for k, names in enumerate(lists):
+        for name in names:
+            if name in where:
+                raise PipelineError(f"stages: {name} is in stages {where[name]} and {k}")
+            where[name] = k
+    owner: list[int] = []
+    for s in layout.slots:
+        ks = sorted({k for name, k in where.items() if _under(s.name, name)})
+        if not ks:
+            raise PipelineError(
+                f"stages: {s.name} is in no stage; every module with parameters must be in "
+                "exactly one stage"
+            )
+        if len(ks) > 1:
+            raise PipelineError(f"stages: {s.name} is in stages {ks[0]} and {ks[1]}")
+        owner.append(ks[0])
+    owned = []
+    for k in range(len(lists)):
+        mine = [i for i, o in enumerate(owner) if o == k]
+        if not mine:
+            raise PipelineError(
+                f"stages: stage {k} holds no parameters (modules: {list(lists[k])}); merge it "
+                "into a neighbour or use fewer stages"
+            )
+        owned.append((mine[0], mine[-1] + 1))
+    for k, (lo, hi) in enumerate(owned):
+        if any(owner[i] != k for i in range(lo, hi)) or (k and owned[k - 1][1] != lo):
+            stray = next(i for i in range(owned[k - 1][1] if k else 0, hi) if owner[i] != k)
+            raise PipelineError(
+                f"stages: stage {k} owns {layout.slots[lo].name}..{layout.slots[hi - 1].name} "
+                f"but {layout.slots[stray].name} (stage {owner[stray]}) lies between or before "
+                "them: a stage's parameters must be one contiguous run of named_parameters() "
+                "order, and stages must follow it; list modules in model order"
+            )
+    replicas: list[list[str]] = [[] for _ in lists]
+    ties = []
+    for i, s in enumerate(layout.slots):
+        for alias in s.aliases:
+            ks = {k for name, k in where.items() if _under(alias, name)}
+            for k in sorted(ks - {owner[i]}):
+                replicas[k].append(alias)
+                ties.append(Tie(i, s.name, owner[i], k, alias))
+    return StagePlan(
+        modules=tuple(lists),
+        owned=tuple(owned),
+        replicas=tuple(tuple(r) for r in replicas),
+        ties=tuple(ties),
+        pp=pp,
+    )
