@@ -413,7 +413,23 @@ ROOT = {  # shared ground floor, and the tools above the wings
         "checkpoint._tools",
     },
 }
-ALLOWED = FLAT | PARALLEL | CHECKPOINT | ROOT
+PIPELINE = {  # issue 26: a plan (pure) -> pruned stages -> torch's stage -> the runner
+    "_pipeline.plan": {"_errors", "_flat.layout"},
+    "_pipeline.split": {"_pipeline.plan"},
+    "_pipeline.stage": {"_parallel.trainer"},
+    "_pipeline.grads": {"_pipeline.runner"},
+    "_pipeline.runner": {
+        "_dist",
+        "_errors",
+        "_flat.module",
+        "_parallel.trainer",
+        "_pipeline.grads",
+        "_pipeline.plan",
+        "_pipeline.split",
+        "_pipeline.stage",
+    },
+}
+ALLOWED = FLAT | PARALLEL | CHECKPOINT | ROOT | PIPELINE
 WINGS = {"_flat": FLAT, "_parallel": PARALLEL, "checkpoint": CHECKPOINT}
 
 

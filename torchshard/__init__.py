@@ -8,6 +8,7 @@ from ._errors import (
     DeviceError,
     LayoutError,
     MeshError,
+    PipelineError,
     RankMismatchError,
     TorchShardError,
     TPPlanError,
@@ -23,6 +24,9 @@ from ._parallel.modes import FullShard, Replicate, ShardOptimizer
 from ._parallel.shards import LocalShards, MemoryStats
 from ._parallel.traffic import CommPlan, plan_comm
 from ._parallel.trainer import CommStats, DistributedTrainer
+from ._pipeline.plan import StagePlan, plan_stages
+from ._pipeline.runner import Pipeline
+from ._pipeline.split import split_stages
 from .data import GlobalBatchSampler
 
 __version__ = "0.1.0"
@@ -49,12 +53,15 @@ __all__ = [
     "Mesh",
     "MeshError",
     "ParamSlot",
+    "Pipeline",
+    "PipelineError",
     "PowerSGD",
     "RankMemory",
     "RankMismatchError",
     "Region",
     "Replicate",
     "ShardOptimizer",
+    "StagePlan",
     "Star",
     "TPPlanError",
     "TopK",
@@ -65,5 +72,7 @@ __all__ = [
     "init_mesh",
     "plan_comm",
     "plan_memory",
+    "plan_stages",
     "set_log_ranks",
+    "split_stages",
 ]

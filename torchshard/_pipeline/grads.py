@@ -1,0 +1,71 @@
+"""The end of a pipeline's gradient: tied weights summed across stages, and one global
+norm over every stage and replica, counted once per element."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .runner import Pipeline
+
+__all__ = ["global_norm_", "tie_grads"]
+
+
+@torch.no_grad()
+def tie_grads(pipe: Pipeline) -> None:
+    """After each stage's data-parallel mean: a weight tied across stages gets the sum of
+    its owner's and its replica's gradient on both, over the tie group (the two stages'
+    ranks of one data-parallel index; two operands, so both get the same bits)."""
+    for tie, group in zip(pipe.plan.ties, pipe._tie_groups):
+        if group is None:
+            continue
+        name = tie.name if pipe.pp_rank == tie.owner else tie.alias
+        p = pipe.fm.module.get_parameter(name)
+        if p.grad is None:  # unused here: contribute zeros (and keep none)
+            dist.all_reduce(torch.zeros_like(p), group=group)
+        else:
+            dist.all_reduce(p.grad, group=group)
+
+
+@torch.no_grad()
+def global_norm_(pipe: Pipeline, max_norm: float, norm_type: float) -> torch.Tensor:
+    """Scale every rank's gradient to one total ``norm_type`` norm of at most ``max_norm``;
+    the norm before. Each rank adds the power of the elements it counts (sharded: its slice;
+    replicated: data-parallel rank 0 counts the stage; replicas: never), the ranks gather the
+    scalars and each sums them in rank order: the same bits everywhere."""
+    trainer = pipe.trainer
+    mode, ctx = trainer._mode, trainer._ctx
+    held = mode.local_grads(ctx)
+    if trainer.shard:
+        counted = held
+    elif pipe.dp_rank == 0:
+        skip = set(pipe.plan.replicas[pipe.pp_rank])
+        counted = [
+            g
+            for s in pipe.fm.layout.slots
+            if not skip & set(s.names)
+            and (g := pipe.fm.module.get_parameter(s.name).grad) is not None
+        ]
+    else:
+        counted = []
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in held) else torch.float32
+    inf = norm_type == float("inf")
+    power = torch.zeros((), dtype=dtype, device=trainer.device)
+    for g in counted:
+        n = torch.linalg.vector_norm(g, norm_type, dtype=dtype)
+        power = torch.maximum(power, n) if inf else power + n**norm_type
+    world = dist.get_world_size(pipe._world)
+    parts = [torch.empty_like(power) for _ in range(world)]
+    dist.all_gather(parts, power, group=pipe._world)
+    total = torch.zeros_like(power)
+    for part in parts:  # rank order, on every rank
+        total = torch.maximum(total, part) if inf else total + part
+    if not inf:
+        total = total ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in held:
+        g.mul_(coef.to(g.dtype))
+    return total
