@@ -65,23 +65,25 @@ def _mine(pipe: torchshard.Pipeline, of: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _parity(schedule: str, tied: bool, dtype: torch.dtype, clip: float | None) -> dict:
-    """pp=2, dp=1: per step, every stage's grads and weights against the one-process run."""
+def _parity(schedule: str, tied: bool, dtype: torch.dtype, clip: float | None, pp: int = 2) -> dict:
+    """dp=1: per step, every stage's grads and weights against the one-process run."""
     torch.set_default_dtype(dtype)
     ref = _reference(tied)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     torch.manual_seed(0)
     pipe = torchshard.Pipeline(
         _meta(tied),
-        pp=2,
+        pp=pp,
         microbatches=M,
         loss_fn=_loss,
-        stages=SPLIT,
+        stages=SPLIT if pp == 2 else "auto",
         schedule=schedule,
         init_fn=init_gpt_weights,
     )
     pipe.make_optimizer(torch.optim.AdamW, lr=1e-2, foreach=False)
     report: dict = {"init": _diffs(pipe, ref, "param"), "grads": [], "weights": [], "norms": []}
+    x, y = _batches(1, 8)[0]
+    report["eval"] = (pipe.evaluate(x, target=y), _ref_loss(ref, x, y))
     for x, y in _batches(3, 8):
         pipe.zero_grad()
         ref_opt.zero_grad()
@@ -119,14 +121,16 @@ def _diffs(pipe: torchshard.Pipeline, ref: torchshard.FlatParamModule, of: str) 
     return out
 
 
-@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
-def test_pp2_matches_one_process_bitwise(schedule: str) -> None:
-    for rank, got in enumerate(run_distributed(_parity, 2, schedule, False, torch.float32, None)):
+@pytest.mark.parametrize(("schedule", "pp"), [("GPipe", 2), ("1F1B", 2), ("1F1B", 4)])
+def test_pipeline_matches_one_process_bitwise(schedule: str, pp: int) -> None:
+    got_all = run_distributed(_parity, pp, schedule, False, torch.float32, None, pp)
+    for rank, got in enumerate(got_all):
         assert got["init"] and all(v == 0 for v in got["init"].values()), (rank, got["init"])
         for step, (g, w) in enumerate(zip(got["grads"], got["weights"])):
             assert all(v == 0 for v in g.values()), (rank, step, g)
             assert all(v == 0 for v in w.values()), (rank, step, w)
         assert all(a == b for a, b in got["losses"]), got["losses"]
+        assert torch.equal(*got["eval"]), got["eval"]  # forward only, every rank
 
 
 def test_tied_embedding_across_stages_float64() -> None:
@@ -152,3 +156,145 @@ def test_one_global_norm_matches_torch_float64() -> None:
     for got in (s0, s1):
         for w in got["weights"]:
             assert max(w.values()) <= 1e-12, w
+
+
+def _grid(pp: int, shard: bool) -> tuple[int, list[dict]]:
+    """Three steps of this data-parallel replica's half of each batch; every weight after each."""
+    torch.manual_seed(0)
+    pipe = torchshard.Pipeline(
+        _meta(False), pp=pp, microbatches=2, loss_fn=_loss, shard=shard, init_fn=init_gpt_weights
+    )
+    pipe.make_optimizer(torch.optim.AdamW, lr=1e-2, foreach=False)
+    out = []
+    for x, y in _batches(3, 8):
+        pipe.zero_grad()
+        mine = slice(pipe.dp_rank * 4, pipe.dp_rank * 4 + 4)
+        loss = pipe.forward_backward(x[mine], target=y[mine])
+        pipe.step()
+        out.append({"loss": loss.clone(), **_mine(pipe, "param")})
+    pipe.close()
+    return pipe.dp_rank, out
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_pp2_dp2_matches_pp1_dp2_bitwise(shard: bool) -> None:
+    flat = run_distributed(_grid, 2, 1, shard)  # pp=1 x dp=2
+    piped = run_distributed(_grid, 4, 2, shard)  # pp=2 x dp=2
+    for dp_rank in range(2):
+        want = next(steps for d, steps in flat if d == dp_rank)
+        parts = [steps for d, steps in piped if d == dp_rank]
+        assert len(parts) == 2
+        for step, ref in enumerate(want):
+            got = {**parts[0][step], **parts[1][step]}
+            assert set(got) == set(ref)
+            for name, t in ref.items():
+                assert torch.equal(got[name], t), (dp_rank, step, name)
+
+
+def _bad_inputs() -> list[str]:
+    """Each bad input's error, as this rank saw it (class: message)."""
+    cases = {
+        "world % pp": dict(pp=3),
+        "split leaves out": dict(
+            stages=[["wte", "wpe", "blocks.0"], ["blocks.2", "blocks.3", "ln_f", "lm_head"]]
+        ),
+        "split repeats": dict(
+            stages=[
+                ["wte", "wpe", "blocks.0", "blocks.1"],
+                ["blocks.1", "blocks.2", "blocks.3", "ln_f", "lm_head"],
+            ]
+        ),
+        "split order": dict(
+            stages=[
+                ["wte", "wpe", "blocks.0", "blocks.2"],
+                ["blocks.1", "blocks.3", "ln_f", "lm_head"],
+            ]
+        ),
+        "stage count": dict(stages=3),
+        "schedule": dict(schedule="ZBVZeroBubble"),
+        "ties sharded": dict(shard=True),
+    }
+    seen = []
+    for what, kw in cases.items():
+        args = dict(pp=2, microbatches=M, loss_fn=_loss, init_fn=init_gpt_weights) | kw
+        try:
+            torchshard.Pipeline(_meta(what != "split order"), **args).close()
+            seen.append(f"{what}: no error")
+        except torchshard.TorchShardError as e:
+            seen.append(f"{what}: {type(e).__name__}: {e}")
+    pipe = torchshard.Pipeline(_meta(True), pp=2, microbatches=3, loss_fn=_loss)
+    pipe.make_optimizer(torch.optim.SGD, lr=0.1)
+    x, y = _batches(1, 8)[0]
+    try:
+        pipe.forward_backward(x, target=y)
+        seen.append("batch % microbatches: no error")
+    except torchshard.TorchShardError as e:
+        seen.append(f"batch % microbatches: {type(e).__name__}: {e}")
+    pipe.close()
+    return seen
+
+
+def test_bad_inputs_raise_on_every_rank_before_the_first_step() -> None:
+    r0, r1 = run_distributed(_bad_inputs, 2)
+    assert r0 == r1
+    want = {
+        "world % pp": "divisor of the world size 2, got 3",
+        "split leaves out": "blocks.1.ln_1.weight is in no stage",
+        "split repeats": "blocks.1 is in stages 0 and 1",
+        "split order": "contiguous run",
+        "stage count": "expected 2 stages",
+        "schedule": "ZBVZeroBubble",
+        "ties sharded": "wte.weight is tied across stages 0 and 1",
+        "batch % microbatches": "local batch 8 is not divisible by microbatches 3",
+    }
+    for line, (what, text) in zip(r0, want.items()):
+        assert line.startswith(f"{what}: PipelineError: "), line
+        assert text in line, line
+
+
+def test_plan_tiles_the_layout_and_finds_the_tie() -> None:
+    model = _meta(True)
+    layout = torchshard.FlatLayout.from_module(model)
+    for stages in (2, 3, SPLIT):
+        plan = torchshard.plan_stages(
+            model, stages, pp=len(stages) if isinstance(stages, list) else stages
+        )
+        assert plan.owned[0][0] == 0 and plan.owned[-1][1] == len(layout.slots)
+        assert all(a[1] == b[0] for a, b in zip(plan.owned, plan.owned[1:]))
+        assert [t.alias for t in plan.ties] == ["lm_head.weight"]
+        assert plan.replicas[-1] == ("lm_head.weight",) and not any(plan.replicas[:-1])
+    assert torchshard.plan_stages(model, SPLIT, pp=2).modules == tuple(map(tuple, SPLIT))
+    assert not torchshard.plan_stages(_meta(False), 2).ties
+
+
+def test_split_stages_keep_names_and_compose_to_the_whole_model() -> None:
+    torch.manual_seed(0)
+    whole = GPT(CFG)  # real weights: the copies keep them
+    plan = torchshard.plan_stages(whole, SPLIT, pp=2)
+    s0, s1 = torchshard.split_stages(whole, plan, [0, 1])
+    assert s0.lm_head is None and s1.wte is None and s1.wpe is None
+    assert len(s1.blocks) == 2 and s1.blocks[3] is list(s1.blocks)[1]
+    names = dict(whole.named_parameters(remove_duplicate=False))
+    for stage in (s0, s1):
+        for name, p in stage.named_parameters(remove_duplicate=False):
+            assert torch.equal(p, names[name]), name
+    got = {n for s in (s0, s1) for n, _ in s.named_parameters(remove_duplicate=False)}
+    assert got == set(names)
+    x = torch.randint(0, 64, (2, 16))
+    logits, loss = s1(s0(x))
+    want, _ = whole(x)
+    assert loss is None and torch.equal(logits, want)
+
+
+def test_plan_errors_name_the_module() -> None:
+    net = nn.Sequential()
+    net.add_module("a", nn.Linear(2, 2))
+    net.add_module("drop", nn.Dropout())
+    net.add_module("b", nn.Linear(2, 2))
+    assert torchshard.plan_stages(net, 2).modules == (("a", "drop"), ("b",))
+    with pytest.raises(torchshard.PipelineError, match="drop is in no stage"):
+        torchshard.plan_stages(net, [["a"], ["b"]])
+    with pytest.raises(torchshard.PipelineError, match=r"did you mean 'blocks\.0'"):
+        torchshard.plan_stages(_meta(True), [["wte", "wpe", "block.0"], ["blocks.1"]])
+    with pytest.raises(torchshard.PipelineError, match="stage 1 holds no parameters"):
+        torchshard.plan_stages(net, [["a", "b"], ["drop"]])

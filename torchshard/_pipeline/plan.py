@@ -98,7 +98,15 @@ def plan_stages(
             "several stages per rank (interleaved schedules) are not supported yet"
         )
     lists = _auto(model, layout, n) if isinstance(stages, int) else _named(model, stages)
-    return _plan(layout, lists, pp)
+    plan = _plan(layout, lists, pp)
+    listed = [name for names in lists for name in names]
+    for u in stage_units(model):  # one without parameters would be pruned everywhere
+        if not any(_under(u, x) or _under(x, u) for x in listed):
+            raise PipelineError(
+                f"stages: {u} is in no stage; a module without parameters still runs on one "
+                "stage: list it with its neighbours"
+            )
+    return plan
 
 
 def _named(model: nn.Module, stages: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:

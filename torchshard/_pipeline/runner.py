@@ -189,7 +189,7 @@ class Pipeline:
 
     def close(self) -> None:
         """Close the stage's trainer, then destroy the groups the pipeline created."""
-        if not self._groups and getattr(self, "_closed", False):
+        if getattr(self, "_closed", False):
             return
         self._closed = True
         self.trainer.close()
