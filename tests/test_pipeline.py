@@ -158,11 +158,12 @@ def test_one_global_norm_matches_torch_float64() -> None:
             assert max(w.values()) <= 1e-12, w
 
 
-def _grid(pp: int, shard: bool) -> tuple[int, list[dict]]:
+def _grid(pp: int, shard: bool, tied: bool = False) -> tuple[int, list[dict]]:
     """Three steps of this data-parallel replica's half of each batch; every weight after each."""
+    torch.set_default_dtype(torch.float64 if tied else torch.float32)
     torch.manual_seed(0)
     pipe = torchshard.Pipeline(
-        _meta(False), pp=pp, microbatches=2, loss_fn=_loss, shard=shard, init_fn=init_gpt_weights
+        _meta(tied), pp=pp, microbatches=2, loss_fn=_loss, shard=shard, init_fn=init_gpt_weights
     )
     pipe.make_optimizer(torch.optim.AdamW, lr=1e-2, foreach=False)
     out = []
@@ -298,3 +299,31 @@ def test_plan_errors_name_the_module() -> None:
         torchshard.plan_stages(_meta(True), [["wte", "wpe", "block.0"], ["blocks.1"]])
     with pytest.raises(torchshard.PipelineError, match="stage 1 holds no parameters"):
         torchshard.plan_stages(net, [["a", "b"], ["drop"]])
+
+
+def _left_open(dp_shard: bool) -> int:
+    """A pipeline never closed: the exit hook closes its trainer; nothing hangs."""
+    torch.manual_seed(0)
+    pipe = torchshard.Pipeline(_meta(True), pp=2, microbatches=2, loss_fn=_loss, stages=SPLIT)
+    pipe.make_optimizer(torch.optim.SGD, lr=0.1)
+    x, y = _batches(1, 4)[0]
+    pipe.forward_backward(x, target=y)
+    pipe.step()
+    return pipe.pp_rank
+
+
+def test_an_unclosed_pipeline_exits_cleanly() -> None:
+    assert run_distributed(_left_open, 2, False, timeout=60) == [0, 1]
+
+
+def test_tie_with_dp2_stays_in_sync_and_matches_pp1_float64() -> None:
+    flat = dict(run_distributed(_grid, 2, 1, False, True))  # pp=1 x dp=2, by dp rank
+    piped = run_distributed(_grid, 4, 2, False, True)  # ranks: (stage 0: dp 0, 1), (stage 1: ...)
+    for dp_rank in range(2):
+        (_, first), (_, last) = piped[dp_rank], piped[2 + dp_rank]
+        for step, ref in enumerate(flat[dp_rank]):
+            assert torch.equal(first[step]["wte.weight"], last[step]["lm_head.weight"])
+            got = {**first[step], **last[step]}
+            for name, t in ref.items():
+                scale = float(t.abs().max())
+                assert float((got[name] - t).abs().max()) <= 1e-12 * scale, (dp_rank, step, name)

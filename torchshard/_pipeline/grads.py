@@ -24,10 +24,21 @@ def tie_grads(pipe: Pipeline) -> None:
             continue
         name = tie.name if pipe.pp_rank == tie.owner else tie.alias
         p = pipe.fm.module.get_parameter(name)
-        if p.grad is None:  # unused here: contribute zeros (and keep none)
-            dist.all_reduce(torch.zeros_like(p), group=group)
-        else:
+        if p.grad is not None:
             dist.all_reduce(p.grad, group=group)
+            continue
+        got = torch.zeros_like(p)  # unused on this stage: zeros, and the other stage's sum
+        dist.all_reduce(got, group=group)
+        if got.any():  # used on the other: take the gradient into the flat view
+            p.grad = _grad_view(pipe, name).copy_(got)
+
+
+def _grad_view(pipe: Pipeline, name: str) -> torch.Tensor:
+    layout, flat_grad = pipe.fm.layout, pipe.fm.flat_grad
+    assert flat_grad is not None
+    slot = next(i for i, s in enumerate(layout.slots) if name in s.names)
+    grad_slot = dict(zip(layout.trainable, layout.grad_layout.slots))[slot]
+    return grad_slot.view(flat_grad)
 
 
 @torch.no_grad()

@@ -39,8 +39,8 @@ def split_stages(model: nn.Module, plan: StagePlan, indices: Sequence[int]) -> l
     """Pruned deep copies of ``model`` (meta), one per stage index in ``indices``.
 
     Modules keep their names: a kept ``ModuleList`` child keeps its index (a
-    :class:`SparseModuleList`), a pruned plain child becomes ``None``, a pruned root
-    parameter too. Parameters shared inside the copy stay shared.
+    :class:`SparseModuleList`, empty when the stage keeps none of its children), a pruned
+    plain child becomes ``None``, a pruned root parameter too. Parameters shared inside the copy stay shared.
 
     Example::
 
@@ -63,8 +63,9 @@ def _prune(module: nn.Module, prefix: str, keep: Sequence[str]) -> None:
         fqn = f"{prefix}{name}"
         if fqn in keep:
             continue
-        if not any(k.startswith(fqn + ".") for k in keep):
-            setattr(module, name, None)
+        if not any(k.startswith(fqn + ".") for k in keep):  # nothing under it is kept
+            empty = isinstance(child, nn.ModuleList)  # a list stays, empty: loops run 0 times
+            setattr(module, name, SparseModuleList({}) if empty else None)
             continue
         if isinstance(child, nn.ModuleList) and not isinstance(child, SparseModuleList):
             kept = {}
