@@ -51,17 +51,23 @@ def _reference(tied: bool) -> torchshard.FlatParamModule:
     return ref
 
 
-def _ref_backward(ref: torchshard.FlatParamModule, x: torch.Tensor, y: torch.Tensor) -> None:
-    """The same microbatches, in order, each loss divided by their count."""
-    for xs, ys in zip(x.chunk(M), y.chunk(M)):
+def _ref_backward(
+    ref: torchshard.FlatParamModule, x: torch.Tensor, y: torch.Tensor, backwards: str = "in order"
+) -> None:
+    """The same microbatches, each loss divided by their count, their gradients summed in
+    the schedule's order (LoopedBFS runs the backwards last microbatch first)."""
+    pieces = list(zip(x.chunk(M), y.chunk(M)))
+    for xs, ys in reversed(pieces) if backwards == "reversed" else pieces:
         (_loss(ref(xs), ys) / M).backward()
 
 
 def _mine(pipe: torchshard.Pipeline, of: str) -> dict[str, torch.Tensor]:
+    """Every parameter of this rank's stages, by name."""
     out = {}
-    for name, p in pipe.fm.module.named_parameters(remove_duplicate=False):
-        t = p.detach() if of == "param" else p.grad
-        out[name] = t.clone()
+    for h in pipe.stages:
+        for name, p in h.fm.module.named_parameters(remove_duplicate=False):
+            t = p.detach() if of == "param" else p.grad
+            out[name] = t.clone()
     return out
 
 
@@ -76,7 +82,9 @@ def _parity(schedule: str, tied: bool, dtype: torch.dtype, clip: float | None, p
         pp=pp,
         microbatches=M,
         loss_fn=_loss,
-        stages=SPLIT if pp == 2 else "auto",
+        stages=SPLIT
+        if pp == 2 and "Interleaved" not in schedule and "Looped" not in schedule
+        else "auto",
         schedule=schedule,
         init_fn=init_gpt_weights,
     )
@@ -88,7 +96,7 @@ def _parity(schedule: str, tied: bool, dtype: torch.dtype, clip: float | None, p
         pipe.zero_grad()
         ref_opt.zero_grad()
         loss = pipe.forward_backward(x, target=y)
-        _ref_backward(ref, x, y)
+        _ref_backward(ref, x, y, "reversed" if schedule == "LoopedBFS" else "in order")
         report.setdefault("losses", []).append((float(loss), float(_ref_loss(ref, x, y))))
         if clip is not None:
             norm = pipe.clip_grad_norm_(clip)
@@ -121,7 +129,10 @@ def _diffs(pipe: torchshard.Pipeline, ref: torchshard.FlatParamModule, of: str) 
     return out
 
 
-@pytest.mark.parametrize(("schedule", "pp"), [("GPipe", 2), ("1F1B", 2), ("1F1B", 4)])
+@pytest.mark.parametrize(
+    ("schedule", "pp"),
+    [("GPipe", 2), ("1F1B", 2), ("1F1B", 4), ("Interleaved1F1B", 2), ("LoopedBFS", 2)],
+)
 def test_pipeline_matches_one_process_bitwise(schedule: str, pp: int) -> None:
     got_all = run_distributed(_parity, pp, schedule, False, torch.float32, None, pp)
     for rank, got in enumerate(got_all):
@@ -133,8 +144,9 @@ def test_pipeline_matches_one_process_bitwise(schedule: str, pp: int) -> None:
         assert torch.equal(*got["eval"]), got["eval"]  # forward only, every rank
 
 
-def test_tied_embedding_across_stages_float64() -> None:
-    s0, s1 = run_distributed(_parity, 2, "1F1B", True, torch.float64, None)
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_tied_embedding_across_stages_float64(schedule: str) -> None:
+    s0, s1 = run_distributed(_parity, 2, schedule, True, torch.float64, None)
     for got in (s0, s1):
         assert all(v == 0 for v in got["init"].values()), got["init"]
         for g, w in zip(got["grads"], got["weights"]):
@@ -147,8 +159,9 @@ def test_tied_embedding_across_stages_float64() -> None:
         assert all(v == 0 for n, v in got["grads"][0].items() if n not in tied), got["grads"][0]
 
 
-def test_one_global_norm_matches_torch_float64() -> None:
-    s0, s1 = run_distributed(_parity, 2, "1F1B", True, torch.float64, 0.1)
+@pytest.mark.parametrize("schedule", ["1F1B", "LoopedBFS"])
+def test_one_global_norm_matches_torch_float64(schedule: str) -> None:
+    s0, s1 = run_distributed(_parity, 2, schedule, True, torch.float64, 0.1)
     for (a, ref), (b, _) in zip(s0["norms"], s1["norms"]):
         assert torch.equal(a, b)  # bitwise on every rank
         assert abs(float(a) - float(ref)) <= 1e-12 * float(ref), (float(a), float(ref))
@@ -243,7 +256,7 @@ def test_bad_inputs_raise_on_every_rank_before_the_first_step() -> None:
         "split leaves out": "blocks.1.ln_1.weight is in no stage",
         "split repeats": "blocks.1 is in stages 0 and 1",
         "split order": "contiguous run",
-        "stage count": "expected 2 stages",
+        "stage count": "expected a multiple of pp=2 stages",
         "schedule": "ZBVZeroBubble",
         "ties sharded": "wte.weight is tied across stages 0 and 1",
         "batch % microbatches": "local batch 8 is not divisible by microbatches 3",

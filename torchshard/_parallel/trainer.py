@@ -232,6 +232,11 @@ class DistributedTrainer:
         check_requires_grad(self.module.layout, self._params)
         self._reducer.finish()
 
+    def local_grads(self) -> list[torch.Tensor]:
+        """The averaged gradient tensors this rank updates (replicated: every parameter's;
+        sharded: its slice's): what a norm over several trainers counts and scales."""
+        return self._mode.local_grads(self._ctx)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally, without communication, like DDP's ``no_sync``.

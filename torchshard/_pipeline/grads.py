@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from .._flat.module import FlatParamModule
+
 if TYPE_CHECKING:
-    from .runner import Pipeline
+    from .runner import Pipeline, StageHandle
 
 __all__ = ["global_norm_", "tie_grads"]
 
@@ -22,19 +24,20 @@ def tie_grads(pipe: Pipeline) -> None:
     for tie, group in zip(pipe.plan.ties, pipe._tie_groups):
         if group is None:
             continue
-        name = tie.name if pipe.pp_rank == tie.owner else tie.alias
-        p = pipe.fm.module.get_parameter(name)
+        h = next(h for h in pipe.stages if h.index in (tie.owner, tie.holder))
+        name = tie.name if h.index == tie.owner else tie.alias
+        p = h.fm.module.get_parameter(name)
         if p.grad is not None:
             dist.all_reduce(p.grad, group=group)
             continue
         got = torch.zeros_like(p)  # unused on this stage: zeros, and the other stage's sum
         dist.all_reduce(got, group=group)
         if got.any():  # used on the other: take the gradient into the flat view
-            p.grad = _grad_view(pipe, name).copy_(got)
+            p.grad = _grad_view(h.fm, name).copy_(got)
 
 
-def _grad_view(pipe: Pipeline, name: str) -> torch.Tensor:
-    layout, flat_grad = pipe.fm.layout, pipe.fm.flat_grad
+def _grad_view(fm: FlatParamModule, name: str) -> torch.Tensor:
+    layout, flat_grad = fm.layout, fm.flat_grad
     assert flat_grad is not None
     slot = next(i for i, s in enumerate(layout.slots) if name in s.names)
     grad_slot = dict(zip(layout.trainable, layout.grad_layout.slots))[slot]
@@ -47,27 +50,15 @@ def global_norm_(pipe: Pipeline, max_norm: float, norm_type: float) -> torch.Ten
     the norm before. Each rank adds the power of the elements it counts (sharded: its slice;
     replicated: data-parallel rank 0 counts the stage; replicas: never), the ranks gather the
     scalars and each sums them in rank order: the same bits everywhere."""
-    trainer = pipe.trainer
-    mode, ctx = trainer._mode, trainer._ctx
-    held = mode.local_grads(ctx)
-    if trainer.shard:
-        counted = held
-    elif pipe.dp_rank == 0:
-        skip = set(pipe.plan.replicas[pipe.pp_rank])
-        counted = [
-            g
-            for s in pipe.fm.layout.slots
-            if not skip & set(s.names)
-            and (g := pipe.fm.module.get_parameter(s.name).grad) is not None
-        ]
-    else:
-        counted = []
-    dtype = torch.float64 if any(g.dtype == torch.float64 for g in held) else torch.float32
     inf = norm_type == float("inf")
-    power = torch.zeros((), dtype=dtype, device=trainer.device)
-    for g in counted:
-        n = torch.linalg.vector_norm(g, norm_type, dtype=dtype)
-        power = torch.maximum(power, n) if inf else power + n**norm_type
+    held = [h.trainer.local_grads() for h in pipe.stages]
+    flat = [g for gs in held for g in gs]
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in flat) else torch.float32
+    power = torch.zeros((), dtype=dtype, device=pipe.stages[0].trainer.device)
+    for h, gs in zip(pipe.stages, held):
+        for g in _counted(pipe, h, gs):
+            n = torch.linalg.vector_norm(g, norm_type, dtype=dtype)
+            power = torch.maximum(power, n) if inf else power + n**norm_type
     world = dist.get_world_size(pipe._world)
     parts = [torch.empty_like(power) for _ in range(world)]
     dist.all_gather(parts, power, group=pipe._world)
@@ -77,6 +68,22 @@ def global_norm_(pipe: Pipeline, max_norm: float, norm_type: float) -> torch.Ten
     if not inf:
         total = total ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in held:
+    for g in flat:
         g.mul_(coef.to(g.dtype))
     return total
+
+
+def _counted(pipe: Pipeline, h: StageHandle, held: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients this rank counts for stage ``h``: sharded, its slice; replicated, the
+    whole stage on data-parallel rank 0 but its replicas of tied weights."""
+    if h.trainer.shard:
+        return held
+    if pipe.dp_rank:
+        return []
+    skip = set(pipe.plan.replicas[h.index])
+    module = h.fm.module
+    return [
+        g
+        for s in h.fm.layout.slots
+        if not skip & set(s.names) and (g := module.get_parameter(s.name).grad) is not None
+    ]

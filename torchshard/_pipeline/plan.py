@@ -52,9 +52,13 @@ class StagePlan:
     def num_stages(self) -> int:
         return len(self.modules)
 
-    def stage_of_rank(self, pp_rank: int) -> int:
-        """The stage a pipeline rank runs (one stage per rank)."""
-        return pp_rank
+    def rank_of_stage(self, stage: int) -> int:
+        """The pipeline rank that runs ``stage`` (loop style: ``stage % pp``)."""
+        return stage % self.pp
+
+    def stages_of_rank(self, pp_rank: int) -> tuple[int, ...]:
+        """The stages a pipeline rank runs, in order: ``pp_rank, pp_rank + pp, ...``."""
+        return tuple(range(pp_rank, self.num_stages, self.pp))
 
 
 def stage_units(model: nn.Module) -> list[str]:
@@ -78,7 +82,9 @@ def plan_stages(
     :func:`stage_units`) or, per stage, the names of the modules (or root parameters) it
     keeps. Every module with parameters must be in exactly one stage, and the stages must
     follow ``named_parameters()`` order. ``pp``: the pipeline degree (default: one stage
-    per rank); phase 1 runs one stage per rank. Raises :class:`PipelineError`.
+    per rank); the stage count must be a multiple of it, stage ``k`` running on pipeline
+    rank ``k % pp`` (the loop placement of interleaved schedules). Raises
+    :class:`PipelineError`.
 
     Example::
 
@@ -92,10 +98,10 @@ def plan_stages(
     pp = n if pp is None else pp
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise PipelineError(f"pp: expected a positive int, got {pp!r}")
-    if n != pp:
+    if n < 1 or n % pp:
         raise PipelineError(
-            f"stages: expected {pp} stages (one per pipeline rank, pp={pp}), got {n}; "
-            "several stages per rank (interleaved schedules) are not supported yet"
+            f"stages: expected a multiple of pp={pp} stages (each pipeline rank runs the "
+            f"same number), got {n}"
         )
     lists = _auto(model, layout, n) if isinstance(stages, int) else _named(model, stages)
     plan = _plan(layout, lists, pp)

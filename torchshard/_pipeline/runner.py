@@ -5,6 +5,7 @@ torch's own ``torch.distributed.pipelining``."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,36 +18,53 @@ from .._errors import PipelineError
 from .._flat.module import FlatParamModule
 from .._parallel.trainer import DistributedTrainer
 from .grads import global_norm_, tie_grads
+from .grid import Grid
+from .optim import PipelineOptimizer
 from .plan import StagePlan, plan_stages
 from .split import split_stages, whole_order_init
 from .stage import FlatStage, StageModule
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "StageHandle"]
 
-SUPPORTED = ("GPipe", "1F1B")
+SUPPORTED = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+@dataclass(eq=False)
+class StageHandle:
+    """One stage this rank runs: its index in the plan, its flat module, its trainer (over
+    the stage's data-parallel group) and torch's stage object around them."""
+
+    index: int
+    fm: FlatParamModule
+    trainer: DistributedTrainer
+    stage: FlatStage
 
 
 class Pipeline:
-    """Pipeline parallelism: ``model`` split into ``pp`` stages, ``world // pp`` data-parallel
-    replicas of each.
+    """Pipeline parallelism: ``model`` split into stages over ``pp`` ranks, ``world // pp``
+    data-parallel replicas of each.
 
     Ranks form a ``(pp, dp)`` grid, pp outermost: ``rank = pp_rank * dp + dp_rank``. Each
     stage is a :class:`FlatParamModule` over a pruned copy of ``model`` (names unchanged),
     initialized to the bits a one-process init of the whole model gives (same seed, same
     order), under a :class:`DistributedTrainer` over the stage's data-parallel group
     (``shard=False`` or ``True``). The schedule is torch's (``get_schedule_class``), built
-    with ``scale_grads=False``: the loss is divided by ``microbatches`` instead. A weight
-    tied across stages (an embedding and its head) has one owner; the replica gets the
-    same gradient sum and the same update, and is counted once in the norm.
+    with ``scale_grads=False``: the loss is divided by ``microbatches`` instead. Interleaved
+    schedules run ``stages_per_rank`` stages per rank, stage ``k`` on pipeline rank
+    ``k % pp``. A weight tied across stages (an embedding and its head) has one owner; the
+    replica gets the same gradient sum and the same update, and is counted once in the norm.
 
     Args:
         model: the whole model, built on meta.
         pp: the pipeline degree; the world size must be a multiple of it.
         microbatches: per step and data-parallel replica; the local batch must divide.
         loss_fn: ``(last stage's output, target) -> mean loss`` of one microbatch.
-        stages: ``"auto"`` (``pp`` stages balanced by parameters), a count, or per stage
-            the names of the modules it keeps (:func:`plan_stages`).
-        schedule: ``"GPipe"`` or ``"1F1B"``.
+        stages: ``"auto"`` (``pp * stages_per_rank`` stages balanced by parameters), a
+            count, or per stage the names of the modules it keeps (:func:`plan_stages`).
+        schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"`` or ``"LoopedBFS"``.
+        stages_per_rank: stages each rank runs with ``stages="auto"`` (default: 1 for GPipe
+            and 1F1B, 2 for the interleaved schedules).
         shard: each stage's data-parallel mode (``False`` or ``True``).
         init_fn: as :class:`DistributedTrainer`'s, applied in the whole model's order.
         process_group: the ranks of the pipeline (default: the world).
@@ -73,6 +91,7 @@ class Pipeline:
         loss_fn: Callable[..., torch.Tensor],
         stages: str | int | Sequence[Sequence[str]] | StagePlan = "auto",
         schedule: str = "1F1B",
+        stages_per_rank: int | None = None,
         shard: bool = False,
         init_fn: Callable[[nn.Module], None] | None = None,
         process_group: dist.ProcessGroup | None = None,
@@ -81,9 +100,8 @@ class Pipeline:
         if process_group is None:
             init_distributed()
         world = dist.get_world_size(process_group)
-        me = dist.get_rank(process_group)
-        _check_args(pp, microbatches, world, schedule, shard, loss_fn)
-        self.plan = _plan(model, stages, pp)
+        single = _check_args(pp, microbatches, world, schedule, shard, loss_fn)
+        self.plan = _plan(model, stages, pp, single, stages_per_rank)
         if self.plan.ties and shard is not False:
             t = self.plan.ties[0]
             raise PipelineError(
@@ -91,60 +109,58 @@ class Pipeline:
                 f"(as {t.alias}); tied weights across stages need shard=False for now"
             )
         self.microbatches, self._world = microbatches, process_group
-        self.pp_size, self.dp_size = pp, world // pp
-        self.pp_rank, self.dp_rank = divmod(me, self.dp_size)
-        self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == pp - 1
-        self._groups: list[dist.ProcessGroup] = []
-        ranks = dist.get_process_group_ranks(process_group) if process_group else range(world)
-        grid = [[ranks[s * self.dp_size + d] for d in range(self.dp_size)] for s in range(pp)]
-        dp_group = self._group([grid[s] for s in range(pp)], self.pp_rank)
-        pp_group = self._group(
-            [[row[d] for row in grid] for d in range(self.dp_size)], self.dp_rank
-        )
-        self._tie_groups = [
-            self._group(
-                [[grid[t.owner][d], grid[t.holder][d]] for d in range(self.dp_size)],
-                self.dp_rank if self.pp_rank in (t.owner, t.holder) else None,
+        self._grid = grid = Grid(pp, process_group)
+        self.pp_size, self.dp_size = pp, grid.dp
+        self.pp_rank, self.dp_rank = grid.pp_rank, grid.dp_rank
+        mine = self.plan.stages_of_rank(self.pp_rank)
+        self.is_first, self.is_last = 0 in mine, self.plan.num_stages - 1 in mine
+        dp_groups = [grid.dp_group() for _ in mine]
+        self._pp_group = grid.pp_group()
+        self._tie_groups = grid.tie_groups(self.plan)
+        self._last_rank = grid.last_rank()
+        rng = torch.get_rng_state()  # every stage walks the whole model from the same state
+        self.stages: list[StageHandle] = []
+        for k, module, group in zip(mine, split_stages(model, self.plan, mine), dp_groups):
+            torch.set_rng_state(rng)
+            fm = FlatParamModule(module)
+            trainer = DistributedTrainer(
+                fm,
+                process_group=group,
+                shard=shard,
+                init_fn=_whole_init(model, module, init_fn),
+                **trainer_kwargs,
             )
-            for t in self.plan.ties
-        ]
-        self._pp_group, self._last_rank = pp_group, grid[pp - 1][self.dp_rank]
-        (module,) = split_stages(model, self.plan, [self.pp_rank])
-        self.fm = FlatParamModule(module)
-        self.trainer = DistributedTrainer(
-            self.fm,
-            process_group=dp_group,
-            shard=shard,
-            init_fn=_whole_init(model, module, init_fn),
-            **trainer_kwargs,
-        )
-        self.stage = FlatStage(
-            StageModule(self.fm), self.pp_rank, pp, self.trainer.device, group=pp_group
-        )
-        self.stage.trainer = self.trainer
-        self.schedule = get_schedule_class(schedule)(
-            self.stage, microbatches, loss_fn=_scaled(loss_fn, microbatches), scale_grads=False
-        )
+            stage = FlatStage(
+                StageModule(fm), k, self.plan.num_stages, trainer.device, group=self._pp_group
+            )
+            stage.trainer = trainer
+            self.stages.append(StageHandle(k, fm, trainer, stage))
+        cls, scaled = get_schedule_class(schedule), _scaled(loss_fn, microbatches)
+        runs = self.stages[0].stage if single else [h.stage for h in self.stages]
+        try:
+            self.schedule = cls(runs, microbatches, loss_fn=scaled, scale_grads=False)
+        except ValueError as e:  # torch's own checks (microbatches against pp)
+            raise PipelineError(f"schedule {schedule}: {e}") from None
+        self._optimizer: PipelineOptimizer | None = None
         self._reduced = False
 
-    def _group(self, rows: list[list[int]], mine: int | None) -> dist.ProcessGroup | None:
-        """One group per row, created by every rank in the same order; this rank's row's."""
-        out = None
-        for i, row in enumerate(rows):
-            g = dist.new_group(row)
-            if i == mine:
-                out = g
-                self._groups.append(g)
-        return out
-
     # -- training --------------------------------------------------------------------------
-    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kw: Any) -> Any:
-        """This rank's stage's optimizer (:meth:`DistributedTrainer.make_optimizer`)."""
-        return self.trainer.make_optimizer(optimizer_class, **kw)
+    def make_optimizer(
+        self, optimizer_class: type[torch.optim.Optimizer], **kw: Any
+    ) -> PipelineOptimizer:
+        """One optimizer over this rank's stages: each stage's
+        :meth:`DistributedTrainer.make_optimizer` with the same arguments, behind one
+        :class:`torch.optim.Optimizer` (``param_groups`` joined, for LR schedulers)."""
+        if self._optimizer is not None:
+            raise PipelineError("make_optimizer: this pipeline already has an optimizer")
+        parts = [h.trainer.make_optimizer(optimizer_class, **kw) for h in self.stages]
+        self._optimizer = PipelineOptimizer(parts, self._step)
+        return self._optimizer
 
     def zero_grad(self) -> None:
-        """Forget the gradients of this rank's stage."""
-        self.trainer.zero_grad()
+        """Forget the gradients of this rank's stages."""
+        for h in self.stages:
+            h.trainer.zero_grad()
         self._reduced = False
 
     def forward_backward(self, *inputs: torch.Tensor, target: Any = None) -> torch.Tensor:
@@ -178,35 +194,46 @@ class Pipeline:
         return global_norm_(self, float(max_norm), float(norm_type))
 
     def step(self) -> None:
-        """Finish the reductions (ties included) and step this rank's stage."""
+        """Finish the reductions (ties included) and step this rank's stages."""
+        if self._optimizer is not None:
+            self._optimizer.step()  # through the optimizer: LR schedulers count the step
+        else:
+            self._step()
+
+    def _step(self) -> None:
         self._finish()
-        self.trainer.step()
+        for h in self.stages:
+            h.trainer.step()
         self._reduced = False
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank's stage holds (:meth:`DistributedTrainer.memory_bytes`)."""
-        return self.trainer.memory_bytes()
+        """Bytes this rank's stages hold, summed (:meth:`DistributedTrainer.memory_bytes`)."""
+        out: dict[str, int] = {}
+        for h in self.stages:
+            for key, n in h.trainer.memory_bytes().items():
+                out[key] = out.get(key, 0) + n
+        return out
 
     def close(self) -> None:
-        """Close the stage's trainer, then destroy the groups the pipeline created."""
+        """Close the stages' trainers, then destroy the groups the pipeline created."""
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        self.trainer.close()
-        groups, self._groups = self._groups, []
-        for g in groups:
-            dist.destroy_process_group(g)
+        for h in self.stages:
+            h.trainer.close()
+        self._grid.destroy()
 
     # -- helpers ---------------------------------------------------------------------------
     def _finish(self) -> None:
         if not self._reduced:
-            self.trainer.average_gradients()
+            for h in self.stages:
+                h.trainer.average_gradients()
             tie_grads(self)
             self._reduced = True
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         dtype = torch.get_default_dtype()
-        out = torch.zeros((), dtype=dtype, device=self.trainer.device)
+        out = torch.zeros((), dtype=dtype, device=self.stages[0].trainer.device)
         if self.is_last:
             for v in losses:  # each already divided by the microbatch count
                 out += v.detach().to(dtype)
@@ -245,31 +272,52 @@ def _whole_init(
     return init
 
 
-def _plan(model: nn.Module, stages: Any, pp: int) -> StagePlan:
+def _plan(model: nn.Module, stages: Any, pp: int, single: bool, per_rank: int | None) -> StagePlan:
+    if per_rank is not None and (
+        isinstance(per_rank, bool) or not isinstance(per_rank, int) or per_rank < 1
+    ):
+        raise PipelineError(f"stages_per_rank: expected a positive int, got {per_rank!r}")
     if isinstance(stages, StagePlan):
         if stages.pp != pp:
             raise PipelineError(f"stages: a plan for pp={stages.pp}, got pp={pp}")
-        return stages
-    if stages == "auto":
-        stages = pp
-    return plan_stages(model, stages, pp=pp)
+        plan = stages
+    else:
+        if stages == "auto":
+            stages = pp * (per_rank or (1 if single else 2))
+        plan = plan_stages(model, stages, pp=pp)
+    v = plan.num_stages // pp
+    if single and v != 1:
+        raise PipelineError(
+            f"stages: {plan.num_stages} stages on pp={pp} ranks is {v} per rank; GPipe and "
+            "1F1B run one stage per rank (use Interleaved1F1B or LoopedBFS)"
+        )
+    if per_rank is not None and per_rank != v:
+        raise PipelineError(f"stages_per_rank={per_rank}, but the stages give {v} per rank")
+    return plan
 
 
-def _check_args(pp: Any, m: Any, world: int, schedule: Any, shard: Any, loss_fn: Any) -> None:
+def _check_args(pp: Any, m: Any, world: int, schedule: Any, shard: Any, loss_fn: Any) -> bool:
+    """Raise on bad arguments; whether the schedule runs a single stage per rank."""
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise PipelineError(f"pp: expected a positive int, got {pp!r}")
     if world % pp:
         raise PipelineError(f"pp: expected a divisor of the world size {world}, got {pp}")
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise PipelineError(f"microbatches: expected a positive int, got {m!r}")
-    if schedule not in SUPPORTED:
+    if schedule in ZERO_BUBBLE:
         raise PipelineError(
-            f"schedule: expected one of {list(SUPPORTED)}, got {schedule!r}; interleaved and "
-            "zero-bubble schedules are not supported yet"
+            f"schedule: {schedule} is not supported yet: its weight-only backward "
+            "(stage_backward_weight) writes .grad directly, past the gradient hooks that "
+            "put gradients into the flat buffer and launch the data-parallel reduction "
+            f"(pytorch#144530); use one of {list(SUPPORTED)}"
         )
-    if not issubclass(get_schedule_class(schedule), PipelineScheduleSingle):
-        raise PipelineError(f"schedule: {schedule} runs several stages per rank")
+    if schedule not in SUPPORTED:
+        raise PipelineError(f"schedule: expected one of {list(SUPPORTED)}, got {schedule!r}")
     if shard not in (False, True):
-        raise PipelineError(f"shard: expected False or True, got {shard!r}")
+        raise PipelineError(
+            f"shard: expected False or True, got {shard!r}; a fully sharded stage "
+            '(shard="full") is not supported in a pipeline yet'
+        )
     if not callable(loss_fn):
         raise PipelineError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
+    return issubclass(get_schedule_class(schedule), PipelineScheduleSingle)
