@@ -4,6 +4,8 @@ embedding in float64, one global norm, and the errors of bad input on every rank
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,29 +173,67 @@ def test_one_global_norm_matches_torch_float64(schedule: str) -> None:
             assert max(w.values()) <= 1e-12, w
 
 
-def _grid(pp: int, shard: bool, tied: bool = False) -> tuple[int, list[dict]]:
-    """Three steps of this data-parallel replica's half of each batch; every weight after each."""
-    torch.set_default_dtype(torch.float64 if tied else torch.float32)
+def _grid(
+    pp: int, shard: bool, tied: bool = False, clip: float | None = None, schedule: str = "1F1B"
+) -> tuple[int, list[dict]]:
+    """Three steps of this data-parallel replica's half of each batch; every weight after each
+    (and the norm, clipping at ``clip``)."""
+    dtype = torch.float64 if tied else torch.float32
+    torch.set_default_dtype(dtype)
     torch.manual_seed(0)
-    pipe = torchshard.Pipeline(
-        _meta(tied), pp=pp, microbatches=2, loss_fn=_loss, shard=shard, init_fn=init_gpt_weights
-    )
-    pipe.make_optimizer(torch.optim.AdamW, lr=1e-2, foreach=False)
+    kw = {"master_dtype": dtype} if shard else {}  # float64 all the way (the default is fp32)
+    if pp == 1:  # the oracle: a plain trainer over the whole model
+        fm = torchshard.FlatParamModule(_meta(tied))
+        trainer = torchshard.DistributedTrainer(fm, shard=shard, init_fn=init_gpt_weights, **kw)
+        trainer.make_optimizer(torch.optim.AdamW, lr=1e-2, foreach=False)
+        dp_rank = torch.distributed.get_rank()
+    else:
+        pipe = torchshard.Pipeline(
+            _meta(tied),
+            pp=pp,
+            microbatches=2,
+            loss_fn=_loss,
+            shard=shard,
+            init_fn=init_gpt_weights,
+            schedule=schedule,
+            **kw,
+        )
+        pipe.make_optimizer(torch.optim.AdamW, lr=1e-2, foreach=False)
+        dp_rank = pipe.dp_rank
     out = []
     for x, y in _batches(3, 8):
-        pipe.zero_grad()
-        mine = slice(pipe.dp_rank * 4, pipe.dp_rank * 4 + 4)
-        loss = pipe.forward_backward(x[mine], target=y[mine])
-        pipe.step()
-        out.append({"loss": loss.clone(), **_mine(pipe, "param")})
-    pipe.close()
-    return pipe.dp_rank, out
+        mine = slice(dp_rank * 4, dp_rank * 4 + 4)
+        if pp == 1:
+            trainer.zero_grad()
+            with trainer.no_sync():
+                _ref_backward_one(fm, x[mine][:2], y[mine][:2])
+            _ref_backward_one(fm, x[mine][2:], y[mine][2:])
+            norm = trainer.clip_grad_norm_(clip) if clip else None
+            trainer.step()
+            params = {
+                n: p.detach().clone() for n, p in fm.module.named_parameters(remove_duplicate=False)
+            }
+        else:
+            pipe.zero_grad()
+            pipe.forward_backward(x[mine], target=y[mine])
+            norm = pipe.clip_grad_norm_(clip) if clip else None
+            pipe.step()
+            params = _mine(pipe, "param")
+        out.append({**params, "norm": norm})
+    (trainer if pp == 1 else pipe).close()
+    return dp_rank, out
 
 
-@pytest.mark.parametrize("shard", [False, True])
-def test_pp2_dp2_matches_pp1_dp2_bitwise(shard: bool) -> None:
-    flat = run_distributed(_grid, 2, 1, shard)  # pp=1 x dp=2
-    piped = run_distributed(_grid, 4, 2, shard)  # pp=2 x dp=2
+def _ref_backward_one(fm: torchshard.FlatParamModule, x: torch.Tensor, y: torch.Tensor) -> None:
+    (_loss(fm(x), y) / 2).backward()
+
+
+@pytest.mark.parametrize(
+    ("shard", "schedule"), [(False, "1F1B"), (True, "1F1B"), (True, "Interleaved1F1B")]
+)
+def test_pp2_dp2_matches_pp1_dp2_bitwise(shard: bool, schedule: str) -> None:
+    flat = run_distributed(_grid, 2, 1, shard)  # pp=1 x dp=2, a plain trainer
+    piped = run_distributed(_grid, 4, 2, shard, False, None, schedule)  # pp=2 x dp=2
     for dp_rank in range(2):
         want = next(steps for d, steps in flat if d == dp_rank)
         parts = [steps for d, steps in piped if d == dp_rank]
@@ -202,7 +242,8 @@ def test_pp2_dp2_matches_pp1_dp2_bitwise(shard: bool) -> None:
             got = {**parts[0][step], **parts[1][step]}
             assert set(got) == set(ref)
             for name, t in ref.items():
-                assert torch.equal(got[name], t), (dp_rank, step, name)
+                if name != "norm":
+                    assert torch.equal(got[name], t), (dp_rank, step, name)
 
 
 def _bad_inputs() -> list[str]:
@@ -226,7 +267,8 @@ def _bad_inputs() -> list[str]:
         ),
         "stage count": dict(stages=3),
         "schedule": dict(schedule="ZBVZeroBubble"),
-        "ties sharded": dict(shard=True),
+        "shard full": dict(shard="full"),
+        "stages per rank": dict(stages=4),
     }
     seen = []
     for what, kw in cases.items():
@@ -258,7 +300,8 @@ def test_bad_inputs_raise_on_every_rank_before_the_first_step() -> None:
         "split order": "contiguous run",
         "stage count": "expected a multiple of pp=2 stages",
         "schedule": "ZBVZeroBubble",
-        "ties sharded": "wte.weight is tied across stages 0 and 1",
+        "shard full": 'a fully sharded stage (shard="full") is not supported',
+        "stages per rank": "GPipe and 1F1B run one stage per rank",
         "batch % microbatches": "local batch 8 is not divisible by microbatches 3",
     }
     for line, (what, text) in zip(r0, want.items()):
@@ -329,14 +372,52 @@ def test_an_unclosed_pipeline_exits_cleanly() -> None:
     assert run_distributed(_left_open, 2, False, timeout=60) == [0, 1]
 
 
-def test_tie_with_dp2_stays_in_sync_and_matches_pp1_float64() -> None:
-    flat = dict(run_distributed(_grid, 2, 1, False, True))  # pp=1 x dp=2, by dp rank
-    piped = run_distributed(_grid, 4, 2, False, True)  # ranks: (stage 0: dp 0, 1), (stage 1: ...)
+@pytest.mark.parametrize("shard", [False, True])
+def test_tie_with_dp2_stays_in_sync_and_matches_pp1_float64(shard: bool) -> None:
+    """A plain trainer over the whole model is the oracle; clipped at 0.1, so the one global
+    norm (bitwise the same on all four ranks) scales every stage alike."""
+    flat = dict(run_distributed(_grid, 2, 1, shard, True, 0.1))  # pp=1 x dp=2, by dp rank
+    piped = run_distributed(_grid, 4, 2, shard, True, 0.1)  # (stage 0: dp 0, 1), (stage 1: ...)
     for dp_rank in range(2):
         (_, first), (_, last) = piped[dp_rank], piped[2 + dp_rank]
         for step, ref in enumerate(flat[dp_rank]):
             assert torch.equal(first[step]["wte.weight"], last[step]["lm_head.weight"])
+            norms = [steps[step]["norm"] for _, steps in piped]
+            assert all(torch.equal(n, norms[0]) for n in norms), norms
+            want = float(ref["norm"])
+            assert want > 0.1 and abs(float(norms[0]) - want) <= 1e-12 * want, (norms[0], want)
             got = {**first[step], **last[step]}
             for name, t in ref.items():
+                if name == "norm":
+                    continue
                 scale = float(t.abs().max())
                 assert float((got[name] - t).abs().max()) <= 1e-12 * scale, (dp_rank, step, name)
+
+
+def _lr_schedule() -> list[list[float]]:
+    """Two stages per rank, two param groups each, under one LambdaLR."""
+    torch.manual_seed(0)
+    pipe = torchshard.Pipeline(
+        _meta(False), pp=2, microbatches=2, loss_fn=_loss, schedule="Interleaved1F1B"
+    )
+    opt = pipe.make_optimizer(
+        torch.optim.AdamW, lr=1.0, groups=[(lambda n: n.endswith("bias"), {"weight_decay": 0})]
+    )
+    assert isinstance(opt, torch.optim.Optimizer) and len(opt.parts) == 2
+    warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" fails
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    seen = []
+    x, y = _batches(1, 4)[0]
+    for _ in range(2):
+        pipe.zero_grad()
+        pipe.forward_backward(x, target=y)
+        pipe.step()
+        sched.step()
+        seen.append([g["lr"] for part in opt.parts for g in part.param_groups])
+    pipe.close()
+    return seen
+
+
+def test_one_optimizer_over_local_stages_follows_an_lr_scheduler() -> None:
+    got = run_distributed(_lr_schedule, 2)
+    assert got == [[[0.5] * 4, [0.25] * 4]] * 2, got

@@ -233,9 +233,16 @@ class DistributedTrainer:
         self._reducer.finish()
 
     def local_grads(self) -> list[torch.Tensor]:
-        """The averaged gradient tensors this rank updates (replicated: every parameter's;
-        sharded: its slice's): what a norm over several trainers counts and scales."""
+        """The averaged gradient tensors this rank updates (replicated: the flat gradient;
+        sharded: its slice): what a norm over several trainers scales."""
         return self._mode.local_grads(self._ctx)
+
+    def grad_pieces(self) -> list[tuple[int, torch.Tensor]]:
+        """``(layout slot, gradient)`` of each piece this rank updates (replicated: every
+        trainable slot with a gradient; sharded: the pieces of its slice): what a norm over
+        several trainers counts, slot by slot."""
+        pieces = self._mode.optimizer_tensors(self._ctx)
+        return [(slot, t.grad) for slot, _, _, t in pieces if t.grad is not None]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -13,14 +13,16 @@ from .._flat.module import FlatParamModule
 if TYPE_CHECKING:
     from .runner import Pipeline, StageHandle
 
-__all__ = ["global_norm_", "tie_grads"]
+__all__ = ["global_norm_", "tie_grads", "tie_weights"]
 
 
 @torch.no_grad()
 def tie_grads(pipe: Pipeline) -> None:
-    """After each stage's data-parallel mean: a weight tied across stages gets the sum of
-    its owner's and its replica's gradient on both, over the tie group (the two stages'
-    ranks of one data-parallel index; two operands, so both get the same bits)."""
+    """A weight tied across stages gets the sum of its owner's and its replica's gradient
+    on both, over the tie group (the two stages' ranks of one data-parallel index; two
+    operands, so both get the same bits). Replicated stages sum the data-parallel means
+    (after the reduction); sharded ones sum the local gradients before it (their slices
+    of the slot differ), which the reduction then averages."""
     for tie, group in zip(pipe.plan.ties, pipe._tie_groups):
         if group is None:
             continue
@@ -34,6 +36,19 @@ def tie_grads(pipe: Pipeline) -> None:
         dist.all_reduce(got, group=group)
         if got.any():  # used on the other: take the gradient into the flat view
             p.grad = _grad_view(h.fm, name).copy_(got)
+
+
+@torch.no_grad()
+def tie_weights(pipe: Pipeline) -> None:
+    """After a sharded step: the replica takes the owner's updated weight (the owner's and
+    the holder's reductions may round differently; the owner's bits are the weight)."""
+    grid = pipe._grid
+    for tie, group in zip(pipe.plan.ties, pipe._tie_groups):
+        if group is None:
+            continue
+        h = next(h for h in pipe.stages if h.index in (tie.owner, tie.holder))
+        p = h.fm.module.get_parameter(tie.name if h.index == tie.owner else tie.alias)
+        dist.broadcast(p.data, grid.ranks[tie.owner % grid.pp][grid.dp_rank], group=group)
 
 
 def _grad_view(fm: FlatParamModule, name: str) -> torch.Tensor:
@@ -55,8 +70,8 @@ def global_norm_(pipe: Pipeline, max_norm: float, norm_type: float) -> torch.Ten
     flat = [g for gs in held for g in gs]
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in flat) else torch.float32
     power = torch.zeros((), dtype=dtype, device=pipe.stages[0].trainer.device)
-    for h, gs in zip(pipe.stages, held):
-        for g in _counted(pipe, h, gs):
+    for h in pipe.stages:
+        for g in _counted(pipe, h):
             n = torch.linalg.vector_norm(g, norm_type, dtype=dtype)
             power = torch.maximum(power, n) if inf else power + n**norm_type
     world = dist.get_world_size(pipe._world)
@@ -73,17 +88,12 @@ def global_norm_(pipe: Pipeline, max_norm: float, norm_type: float) -> torch.Ten
     return total
 
 
-def _counted(pipe: Pipeline, h: StageHandle, held: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The gradients this rank counts for stage ``h``: sharded, its slice; replicated, the
-    whole stage on data-parallel rank 0 but its replicas of tied weights."""
-    if h.trainer.shard:
-        return held
-    if pipe.dp_rank:
+def _counted(pipe: Pipeline, h: StageHandle) -> list[torch.Tensor]:
+    """The gradients this rank counts for stage ``h``: the pieces it updates (sharded: its
+    slice; replicated: the whole stage, on data-parallel rank 0 only), but never a replica
+    of a weight another stage owns."""
+    if not h.trainer.shard and pipe.dp_rank:
         return []
     skip = set(pipe.plan.replicas[h.index])
-    module = h.fm.module
-    return [
-        g
-        for s in h.fm.layout.slots
-        if not skip & set(s.names) and (g := module.get_parameter(s.name).grad) is not None
-    ]
+    slots = h.fm.layout.slots
+    return [g for i, g in h.trainer.grad_pieces() if not skip & set(slots[i].names)]

@@ -17,7 +17,7 @@ from .._dist import init_distributed
 from .._errors import PipelineError
 from .._flat.module import FlatParamModule
 from .._parallel.trainer import DistributedTrainer
-from .grads import global_norm_, tie_grads
+from .grads import global_norm_, tie_grads, tie_weights
 from .grid import Grid
 from .optim import PipelineOptimizer
 from .plan import StagePlan, plan_stages
@@ -102,13 +102,8 @@ class Pipeline:
         world = dist.get_world_size(process_group)
         single = _check_args(pp, microbatches, world, schedule, shard, loss_fn)
         self.plan = _plan(model, stages, pp, single, stages_per_rank)
-        if self.plan.ties and shard is not False:
-            t = self.plan.ties[0]
-            raise PipelineError(
-                f"shard={shard!r}: {t.name} is tied across stages {t.owner} and {t.holder} "
-                f"(as {t.alias}); tied weights across stages need shard=False for now"
-            )
         self.microbatches, self._world = microbatches, process_group
+        self._sharded = shard is True
         self._grid = grid = Grid(pp, process_group)
         self.pp_size, self.dp_size = pp, grid.dp
         self.pp_rank, self.dp_rank = grid.pp_rank, grid.dp_rank
@@ -134,6 +129,9 @@ class Pipeline:
                 StageModule(fm), k, self.plan.num_stages, trainer.device, group=self._pp_group
             )
             stage.trainer = trainer
+            # sharded with a tie: the tie sum precedes the reduction, so nothing launches
+            # in backward (replicated stages sum the means after it and keep the overlap)
+            stage.hold = shard is True and any(k in (t.owner, t.holder) for t in self.plan.ties)
             self.stages.append(StageHandle(k, fm, trainer, stage))
         cls, scaled = get_schedule_class(schedule), _scaled(loss_fn, microbatches)
         runs = self.stages[0].stage if single else [h.stage for h in self.stages]
@@ -204,6 +202,8 @@ class Pipeline:
         self._finish()
         for h in self.stages:
             h.trainer.step()
+        if self._sharded:
+            tie_weights(self)
         self._reduced = False
 
     def memory_bytes(self) -> dict[str, int]:
@@ -226,9 +226,12 @@ class Pipeline:
     # -- helpers ---------------------------------------------------------------------------
     def _finish(self) -> None:
         if not self._reduced:
+            if self._sharded:
+                tie_grads(self)
             for h in self.stages:
                 h.trainer.average_gradients()
-            tie_grads(self)
+            if not self._sharded:
+                tie_grads(self)
             self._reduced = True
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:

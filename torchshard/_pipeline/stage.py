@@ -36,13 +36,16 @@ class FlatStage(PipelineStage):
     """torch's :class:`PipelineStage` at the seam torch keeps for DDP and FSDP."""
 
     trainer: DistributedTrainer
+    hold: bool = False
+    """Every backward in ``no_sync``: the pipeline launches the reduction itself (after
+    summing a tied weight's gradient across stages)."""
 
     def backward_maybe_with_nosync(
         self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
     ) -> Any:
         if backward_type in ("input", "weight"):  # zero-bubble passes bypass the grad hooks
             raise NotImplementedError(f"torchshard: backward type {backward_type!r}")
-        if last_backward:
+        if last_backward and not self.hold:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, True)
         with self.trainer.no_sync():
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, False)
