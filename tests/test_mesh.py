@@ -58,12 +58,21 @@ def test_rank_order_is_replicate_major_tp_minor():
         "dp_shard": [[0, 1], [2, 3]],
         "dp_replicate": [[0, 2], [1, 3]],
         "dp": [[0, 1, 2, 3]],
+        "pp": [[0], [1], [2], [3]],
     }
     got = mesh_ranks((2, 2, 2))
     assert got["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert got["dp_shard"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert got["dp_replicate"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert got["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_pipeline_ranks_are_outermost():
+    got = mesh_ranks((1, 2, 2), pp=2)  # 8 ranks: two pipeline ranks of dp 2 x tp 2
+    assert got["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert got["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert got["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert got["dp_shard"] == got["dp"] and got["dp_replicate"] == [[i] for i in range(8)]
 
 
 _GROUPS = ("world", "dp", "dp_shard", "dp_replicate", "tp")

@@ -421,3 +421,33 @@ def _lr_schedule() -> list[list[float]]:
 def test_one_optimizer_over_local_stages_follows_an_lr_scheduler() -> None:
     got = run_distributed(_lr_schedule, 2)
     assert got == [[[0.5] * 4, [0.25] * 4]] * 2, got
+
+
+def _with_mesh() -> tuple[int, int, list[dict]]:
+    """``mesh=init_mesh(pp=2)`` instead of ``pp=2``: the same ranks, the same steps."""
+    torch.manual_seed(0)
+    mesh = torchshard.init_mesh(pp=2)
+    pipe = torchshard.Pipeline(
+        _meta(False), mesh=mesh, microbatches=2, loss_fn=_loss, init_fn=init_gpt_weights
+    )
+    assert (pipe.pp_rank, pipe.dp_rank) == (mesh.pp_rank, mesh.dp_rank)
+    assert torchshard.GlobalBatchSampler(64, 8).rank == pipe.dp_rank  # the sampler's default
+    pipe.make_optimizer(torch.optim.AdamW, lr=1e-2, foreach=False)
+    out = []
+    for x, y in _batches(2, 8):
+        mine = slice(pipe.dp_rank * 4, pipe.dp_rank * 4 + 4)
+        pipe.zero_grad()
+        pipe.forward_backward(x[mine], target=y[mine])
+        pipe.step()
+        out.append(_mine(pipe, "param"))
+    pipe.close()
+    return pipe.pp_rank, pipe.dp_rank, out
+
+
+def test_a_mesh_with_pp_builds_the_same_pipeline() -> None:
+    got = run_distributed(_with_mesh, 4)
+    assert [(p, d) for p, d, _ in got] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    flat = dict(run_distributed(_grid, 2, 1, False))  # a plain trainer at dp=2
+    for _, d, steps in got:
+        for step, params in enumerate(steps):
+            assert all(torch.equal(t, flat[d][step][n]) for n, t in params.items())

@@ -62,12 +62,23 @@ class Mesh:
     dp_replicate: dist.ProcessGroup
     """The ranks holding the same shard as this rank in the other replicas."""
     tp: dist.ProcessGroup
+    pp_size: int = 1
+    """Pipeline ranks (outermost, before ``dp_replicate``): each runs the mesh ``shape``."""
+    pp: dist.ProcessGroup | None = None
+    """The ranks at this rank's place in every pipeline rank's mesh (``None`` at pp 1)."""
 
     @property
     def coordinate(self) -> tuple[int, int, int]:
-        """This rank's ``(replica, shard rank, tp rank)``."""
-        _, s, t = self.shape
-        return self.rank // (s * t), self.rank // t % s, self.rank % t
+        """This rank's ``(replica, shard rank, tp rank)`` (within its pipeline rank)."""
+        r, s, t = self.shape
+        local = self.rank % (r * s * t)
+        return local // (s * t), local // t % s, local % t
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline rank (0 without pipeline parallelism)."""
+        r, s, t = self.shape
+        return self.rank // (r * s * t)
 
     @property
     def dp_rank(self) -> int:
@@ -89,6 +100,7 @@ class Mesh:
 
     @property
     def world_size(self) -> int:
+        """The ranks of one pipeline rank's mesh (the whole job's at pp 1)."""
         return self.shape[0] * self.shape[1] * self.shape[2]
 
     def ranks(self, dim: str) -> list[list[int]]:
@@ -99,32 +111,47 @@ class Mesh:
 
             init_mesh(dp_replicate=2).ranks("dp_replicate")   # 4 ranks: [[0, 2], [1, 3]]
         """
-        return mesh_ranks(self.shape)[dim]
+        return mesh_ranks(self.shape, self.pp_size)[dim]
 
 
-def mesh_ranks(shape: tuple[int, int, int]) -> dict[str, list[list[int]]]:
-    """The groups of each dimension of a ``(dp_replicate, dp_shard, tp)`` mesh, as lists of
-    global ranks (a pure function: no process group in sight).
+def mesh_ranks(shape: tuple[int, int, int], pp: int = 1) -> dict[str, list[list[int]]]:
+    """The groups of each dimension of a ``(dp_replicate, dp_shard, tp)`` mesh run by each
+    of ``pp`` pipeline ranks (outermost), as lists of global ranks (a pure function: no
+    process group in sight); ``"pp"``: the ranks at one place of every pipeline rank.
 
     Example::
 
         mesh_ranks((2, 2, 1))["dp_shard"]   # [[0, 1], [2, 3]]
+        mesh_ranks((1, 2, 1), pp=2)["pp"]   # [[0, 2], [1, 3]]
     """
     nr, ns, nt = shape
+    n = nr * ns * nt
+    rows = range(pp)
 
-    def g(r: int, s: int, t: int) -> int:
-        return (r * ns + s) * nt + t
+    def g(r: int, s: int, t: int, p: int = 0) -> int:
+        return p * n + (r * ns + s) * nt + t
 
     return {
-        "tp": [[g(r, s, t) for t in range(nt)] for r in range(nr) for s in range(ns)],
-        "dp_shard": [[g(r, s, t) for s in range(ns)] for r in range(nr) for t in range(nt)],
-        "dp_replicate": [[g(r, s, t) for r in range(nr)] for s in range(ns) for t in range(nt)],
-        "dp": [[g(r, s, t) for r in range(nr) for s in range(ns)] for t in range(nt)],
+        "tp": [
+            [g(r, s, t, p) for t in range(nt)] for p in rows for r in range(nr) for s in range(ns)
+        ],
+        "dp_shard": [
+            [g(r, s, t, p) for s in range(ns)] for p in rows for r in range(nr) for t in range(nt)
+        ],
+        "dp_replicate": [
+            [g(r, s, t, p) for r in range(nr)] for p in rows for s in range(ns) for t in range(nt)
+        ],
+        "dp": [
+            [g(r, s, t, p) for r in range(nr) for s in range(ns)] for p in rows for t in range(nt)
+        ],
+        "pp": [[p * n + i for p in rows] for i in range(n)],
     }
 
 
-def init_mesh(dp_replicate: int = 1, dp_shard: int | str | None = None, tp: int = 1) -> Mesh:
-    """Split the world into ``dp_replicate x dp_shard x tp`` ranks and create every group.
+def init_mesh(
+    dp_replicate: int = 1, dp_shard: int | str | None = None, tp: int = 1, pp: int = 1
+) -> Mesh:
+    """Split the world into ``pp x dp_replicate x dp_shard x tp`` ranks and create every group.
 
     Every rank calls it, with the same arguments (the ranks check that, and raise
     :class:`RankMismatchError` on every rank if not). Initializes the default process group
@@ -136,6 +163,8 @@ def init_mesh(dp_replicate: int = 1, dp_shard: int | str | None = None, tp: int 
             ``"node"``: one node (``LOCAL_WORLD_SIZE // tp`` ranks), and ``dp_replicate`` the
             number of nodes.
         tp: tensor-parallel ranks (the innermost dimension).
+        pp: pipeline ranks (the outermost dimension), for :class:`torchshard.Pipeline`'s
+            ``mesh=``; the other sizes then describe one pipeline rank's ``world // pp``.
 
     Raises:
         MeshError: a size that is not a positive int, sizes whose product is not the world
@@ -152,6 +181,7 @@ def init_mesh(dp_replicate: int = 1, dp_shard: int | str | None = None, tp: int 
     local = os.environ.get("LOCAL_WORLD_SIZE")
     world = dist.get_world_size()
     asked = [repr(dp_replicate), repr(dp_shard), repr(tp), local if dp_shard == "node" else None]
+    asked += [repr(pp)] * (pp != 1)  # as before at pp 1
     device = _exchange_device()
     replies = [json.loads(r) for r in exchange_bytes(json.dumps(asked).encode(), None, device)]
     odd = [r for r, a in enumerate(replies) if a != replies[0]]
@@ -161,9 +191,12 @@ def init_mesh(dp_replicate: int = 1, dp_shard: int | str | None = None, tp: int 
             f"LOCAL_WORLD_SIZE) {replies[odd[0]]}, rank 0 for {replies[0]}; every rank must "
             "call init_mesh with the same sizes, on nodes of the same size"
         )
-    shape = mesh_shape(world, dp_replicate, dp_shard, tp, local)
-    groups = _create_groups(shape)
-    mesh = Mesh(shape, dist.get_rank(), dist.group.WORLD, **groups)  # type: ignore[arg-type]
+    p = _size("pp", pp)
+    if world % p:
+        raise MeshError(f"init_mesh(pp={p}): pp does not divide the world size {world}")
+    shape = mesh_shape(world // p, dp_replicate, dp_shard, tp, local)
+    groups = _create_groups(shape, p)
+    mesh = Mesh(shape, dist.get_rank(), dist.group.WORLD, **groups, pp_size=p)  # type: ignore[arg-type]
     set_data_parallel(mesh.dp_rank, mesh.dp_size, world)  # GlobalBatchSampler's default
     return mesh
 
@@ -237,13 +270,13 @@ def _node_size(local: str | None, world: int, tp: int) -> int:
     return n
 
 
-def _create_groups(shape: tuple[int, int, int]) -> dict[str, dist.ProcessGroup]:
+def _create_groups(shape: tuple[int, int, int], pp: int = 1) -> dict[str, dist.ProcessGroup]:
     """Every group of every dimension, created by this rank in one fixed order; the ones
-    this rank is a member of, by dimension."""
+    this rank is a member of, by dimension (``pp`` groups only where ``pp > 1``)."""
     me, world = dist.get_rank(), dist.get_world_size()
     mine: dict[str, dist.ProcessGroup] = {}
-    everything = mesh_ranks(shape)
-    for dim in _CREATION_ORDER:
+    everything = mesh_ranks(shape, pp)
+    for dim in _CREATION_ORDER + ("pp",) * (pp > 1):
         for ranks in everything[dim]:
             if len(ranks) == world:  # the world itself: no new group (as DeviceMesh does)
                 group = dist.group.WORLD
@@ -293,6 +326,11 @@ def split_dp(
         raise MeshError(
             f"mesh: expected a torchshard Mesh from torchshard.init_mesh(), got "
             f"{type(mesh).__name__}"
+        )
+    if mesh.pp_size > 1:
+        raise MeshError(
+            f"mesh: a mesh with pp={mesh.pp_size} splits the model into pipeline stages: pass "
+            "it to torchshard.Pipeline(model, mesh=mesh, ...), which builds each stage's trainer"
         )
     group = None if mesh.dp is dist.group.WORLD else mesh.dp
     replicas = mesh.shape[0]

@@ -232,18 +232,6 @@ class DistributedTrainer:
         check_requires_grad(self.module.layout, self._params)
         self._reducer.finish()
 
-    def local_grads(self) -> list[torch.Tensor]:
-        """The averaged gradient tensors this rank updates (replicated: the flat gradient;
-        sharded: its slice): what a norm over several trainers scales."""
-        return self._mode.local_grads(self._ctx)
-
-    def grad_pieces(self) -> list[tuple[int, torch.Tensor]]:
-        """``(layout slot, gradient)`` of each piece this rank updates (replicated: every
-        trainable slot with a gradient; sharded: the pieces of its slice): what a norm over
-        several trainers counts, slot by slot."""
-        pieces = self._mode.optimizer_tensors(self._ctx)
-        return [(slot, t.grad) for slot, _, _, t in pieces if t.grad is not None]
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally, without communication, like DDP's ``no_sync``.
@@ -625,6 +613,18 @@ class DistributedTrainer:
                 "the FlatParamModule was bound to another buffer after the trainer was created "
                 "(fm.bind(), fm.to(), ...); create the trainer after moving the model"
             )
+
+
+def grad_pieces(trainer: DistributedTrainer) -> list[tuple[int, torch.Tensor]]:
+    """``(layout slot, gradient)`` of each piece ``trainer``'s rank updates (replicated:
+    every trainable slot's; sharded: its slice's), for a norm over several trainers.
+
+    Example::
+
+        power = sum(g.norm() ** 2 for _, g in grad_pieces(trainer))
+    """
+    pieces = trainer._mode.optimizer_tensors(trainer._ctx)
+    return [(slot, t.grad) for slot, _, _, t in pieces if t.grad is not None]
 
 
 def _broadcast_buffers(fm: FlatParamModule, mesh: Mesh1D, src: int) -> None:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .._flat.module import FlatParamModule
+from .._parallel.trainer import grad_pieces
 
 if TYPE_CHECKING:
     from .runner import Pipeline, StageHandle
@@ -66,8 +67,7 @@ def global_norm_(pipe: Pipeline, max_norm: float, norm_type: float) -> torch.Ten
     replicated: data-parallel rank 0 counts the stage; replicas: never), the ranks gather the
     scalars and each sums them in rank order: the same bits everywhere."""
     inf = norm_type == float("inf")
-    held = [h.trainer.local_grads() for h in pipe.stages]
-    flat = [g for gs in held for g in gs]
+    flat = [g for h in pipe.stages for _, g in grad_pieces(h.trainer)]
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in flat) else torch.float32
     power = torch.zeros((), dtype=dtype, device=pipe.stages[0].trainer.device)
     for h in pipe.stages:
@@ -96,4 +96,4 @@ def _counted(pipe: Pipeline, h: StageHandle) -> list[torch.Tensor]:
         return []
     skip = set(pipe.plan.replicas[h.index])
     slots = h.fm.layout.slots
-    return [g for i, g in h.trainer.grad_pieces() if not skip & set(slots[i].names)]
+    return [g for i, g in grad_pieces(h.trainer) if not skip & set(slots[i].names)]

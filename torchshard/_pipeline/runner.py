@@ -13,9 +13,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from .._dist import init_distributed
+from .._dist import init_distributed, set_data_parallel
 from .._errors import PipelineError
 from .._flat.module import FlatParamModule
+from .._parallel.mesh import Mesh
 from .._parallel.trainer import DistributedTrainer
 from .grads import global_norm_, tie_grads, tie_weights
 from .grid import Grid
@@ -57,7 +58,7 @@ class Pipeline:
 
     Args:
         model: the whole model, built on meta.
-        pp: the pipeline degree; the world size must be a multiple of it.
+        pp: the pipeline degree; the world size must be a multiple of it (or ``mesh=``).
         microbatches: per step and data-parallel replica; the local batch must divide.
         loss_fn: ``(last stage's output, target) -> mean loss`` of one microbatch.
         stages: ``"auto"`` (``pp * stages_per_rank`` stages balanced by parameters), a
@@ -68,6 +69,8 @@ class Pipeline:
         shard: each stage's data-parallel mode (``False`` or ``True``).
         init_fn: as :class:`DistributedTrainer`'s, applied in the whole model's order.
         process_group: the ranks of the pipeline (default: the world).
+        mesh: instead of ``pp=``: ``torchshard.init_mesh(pp=P)`` (pp outermost; each
+            pipeline rank's data-parallel ranks run its stages).
         trainer_kwargs: passed to each stage's :class:`DistributedTrainer`.
 
     Example::
@@ -86,7 +89,7 @@ class Pipeline:
         self,
         model: nn.Module,
         *,
-        pp: int,
+        pp: int | None = None,
         microbatches: int,
         loss_fn: Callable[..., torch.Tensor],
         stages: str | int | Sequence[Sequence[str]] | StagePlan = "auto",
@@ -95,10 +98,12 @@ class Pipeline:
         shard: bool = False,
         init_fn: Callable[[nn.Module], None] | None = None,
         process_group: dist.ProcessGroup | None = None,
+        mesh: Mesh | None = None,
         **trainer_kwargs: Any,
     ) -> None:
         if process_group is None:
             init_distributed()
+        pp = _from_mesh(mesh, pp, process_group)
         world = dist.get_world_size(process_group)
         single = _check_args(pp, microbatches, world, schedule, shard, loss_fn)
         self.plan = _plan(model, stages, pp, single, stages_per_rank)
@@ -109,6 +114,8 @@ class Pipeline:
         self.pp_rank, self.dp_rank = grid.pp_rank, grid.dp_rank
         mine = self.plan.stages_of_rank(self.pp_rank)
         self.is_first, self.is_last = 0 in mine, self.plan.num_stages - 1 in mine
+        if process_group is None:  # GlobalBatchSampler's default: this rank's replica
+            set_data_parallel(self.dp_rank, self.dp_size, world)
         dp_groups = [grid.dp_group() for _ in mine]
         self._pp_group = grid.pp_group()
         self._tie_groups = grid.tie_groups(self.plan)
@@ -170,6 +177,7 @@ class Pipeline:
             *(inputs if self.is_first else ()),
             target=target if self.is_last else None,
             losses=losses if self.is_last else None,
+            return_outputs=False,  # else the last stage keeps every microbatch's output
         )
         return self._mean_loss(losses)
 
@@ -273,6 +281,27 @@ def _whole_init(
             whole_order_init(whole, stage, fn)
 
     return init
+
+
+def _from_mesh(mesh: Any, pp: Any, group: Any) -> Any:
+    """``pp``, from ``mesh=`` where one is given (checked against ``pp=``)."""
+    if mesh is None:
+        if pp is None:
+            raise PipelineError("Pipeline: pass pp= (the pipeline degree) or mesh=")
+        return pp
+    if not isinstance(mesh, Mesh):
+        raise PipelineError(f"mesh: expected torchshard.init_mesh(pp=...), got {mesh!r}")
+    if group is not None:
+        raise PipelineError("Pipeline: pass mesh= or process_group=, not both")
+    if pp is not None and pp != mesh.pp_size:
+        raise PipelineError(f"pp={pp}, but the mesh has pp={mesh.pp_size}")
+    if mesh.shape[0] != 1 or mesh.shape[2] != 1:
+        raise PipelineError(
+            f"mesh: dp_replicate={mesh.shape[0]}, tp={mesh.shape[2]}: hybrid sharding and "
+            "tensor parallelism inside pipeline stages are not supported yet; use "
+            "init_mesh(pp=P) alone"
+        )
+    return mesh.pp_size
 
 
 def _plan(model: nn.Module, stages: Any, pp: int, single: bool, per_rank: int | None) -> StagePlan:
