@@ -4,6 +4,9 @@ counted in torch's own stage bookkeeping, against what each schedule says."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -132,3 +135,120 @@ def test_planner_is_pure_and_counts_the_replica() -> None:
         torchshard.plan_pipeline_memory(model, torchshard.plan_stages(model, 4, pp=4), pp=2)
     with pytest.raises(torchshard.PipelineError, match="pp_rank"):
         mem.rank(2, 0)
+
+
+# -- saved activations per stage --------------------------------------------------------------
+class _Saved:
+    """Saved-tensor hooks around each stage's forward: every tensor autograd saves for
+    backward is tagged with its stage and microbatch, and counted until autograd frees it
+    (after that microbatch's backward). ``peak[k]``: the most microbatches of stage ``k``
+    with saved tensors alive at once; ``rank_peak`` the same over the rank's stages."""
+
+    def __init__(self, pipe: torchshard.Pipeline) -> None:
+        self.live: dict[tuple[int, int], int] = {}
+        self.peak = {h.index: 0 for h in pipe.stages}
+        self.rank_peak = 0
+        for h in pipe.stages:
+            self._wrap(h.stage, h.index)
+
+    def _wrap(self, stage: object, k: int) -> None:
+        forward = stage.forward_one_chunk  # type: ignore[attr-defined]
+
+        def counted(chunk: int, *args: object, **kwargs: object) -> object:
+            key = (k, chunk)
+            with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: self._pack(key, t), lambda held: held.t
+            ):
+                out = forward(chunk, *args, **kwargs)
+            self._sample()
+            return out
+
+        stage.forward_one_chunk = counted  # type: ignore[attr-defined]
+
+    def _pack(self, key: tuple[int, int], t: torch.Tensor) -> object:
+        held = _Held(t)
+        self.live[key] = self.live.get(key, 0) + 1
+        weakref.finalize(held, self._drop, key)
+        return held
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        self.live[key] -= 1
+
+    def _sample(self) -> None:
+        alive = [k for k, n in self.live.items() if n]
+        for k in self.peak:
+            self.peak[k] = max(self.peak[k], sum(1 for s, _ in alive if s == k))
+        self.rank_peak = max(self.rank_peak, len(alive))
+
+
+class _Held:
+    __slots__ = ("__weakref__", "t")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _held(pp: int, schedule: str, m: int) -> dict:
+    """Per stage of this rank: the peak microbatches with saved activations over two steps,
+    the same over the rank's stages, and how many are left after them."""
+    pipe = _pipe(pp, schedule, False, False, m)
+    pipe.make_optimizer(torch.optim.SGD, lr=1e-2)
+    saved = _Saved(pipe)
+    x, y = _batch(m)
+    for _ in range(2):
+        pipe.zero_grad()
+        pipe.forward_backward(x, target=y)
+        pipe.step()
+    gc.collect()
+    out = {
+        "peak": saved.peak,
+        "rank_peak": saved.rank_peak,
+        "left": sum(1 for n in saved.live.values() if n),
+    }
+    pipe.close()
+    return out
+
+
+def _expected(pp: int, schedule: str, m: int, r: int) -> tuple[dict[int, int] | None, int]:
+    """What the schedule says pipeline rank ``r`` holds: per stage (None: not one figure per
+    stage), and over the rank. GPipe and LoopedBFS run every forward before any backward:
+    ``m`` per stage. 1F1B: stage ``s`` runs ``p - 1 - s`` warm-up forwards and one more
+    before its first backward: ``min(m, p - s)``. Interleaved1F1B (``v`` stages per rank,
+    Megatron's order): ``(v - 1) p + 2 (p - 1 - r)`` warm-up forwards plus one, over the
+    rank's stages together, at most all ``v m`` of them."""
+    if schedule in ("GPipe", "LoopedBFS"):
+        v = 1 if schedule == "GPipe" else 2
+        return {k: m for k in range(r, v * pp, pp)}, v * m
+    if schedule == "1F1B":
+        return {r: min(m, pp - r)}, min(m, pp - r)
+    v = 2
+    return None, min(v * m, (v - 1) * pp + 2 * (pp - 1 - r) + 1)
+
+
+@pytest.mark.parametrize(
+    ("pp", "schedule", "m"),
+    [
+        (2, "GPipe", 4),
+        (2, "1F1B", 2),
+        (2, "1F1B", 8),
+        (2, "Interleaved1F1B", 2),
+        (2, "Interleaved1F1B", 8),
+        (2, "LoopedBFS", 4),
+        (4, "GPipe", 4),
+        (4, "1F1B", 8),
+        (4, "Interleaved1F1B", 4),
+        (4, "Interleaved1F1B", 8),
+    ],
+)
+def test_saved_activations_per_stage_as_the_schedule_says(pp: int, schedule: str, m: int) -> None:
+    got = run_distributed(_held, pp, pp, schedule, m, timeout=240)
+    for r, g in enumerate(got):
+        per_stage, per_rank = _expected(pp, schedule, m, r)
+        assert g["left"] == 0, (r, g)  # every microbatch's saved tensors freed by its backward
+        assert g["rank_peak"] == per_rank, (r, g, per_rank)
+        if per_stage is not None:
+            assert g["peak"] == per_stage, (r, g, per_stage)
+        assert all(0 < n <= m for n in g["peak"].values()), (r, g)
+    last = pp * (1 if schedule in ("GPipe", "1F1B") else 2) - 1
+    if schedule not in ("GPipe", "LoopedBFS"):  # the last stage: forward, loss, backward
+        assert got[-1]["peak"][last] == 1, got[-1]
