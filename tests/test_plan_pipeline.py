@@ -43,14 +43,16 @@ def _stages(pp: int, schedule: str) -> int:
     return pp * (2 if schedule in ("Interleaved1F1B", "LoopedBFS") else 1)
 
 
-def _pipe(pp: int, schedule: str, shard: bool, tied: bool, m: int = M) -> torchshard.Pipeline:
+def _pipe(
+    pp: int, schedule: str, shard: bool, tied: bool, m: int = M, v: int | None = None
+) -> torchshard.Pipeline:
     torch.manual_seed(0)
     return torchshard.Pipeline(
         _meta(tied),
         pp=pp,
         microbatches=m,
         loss_fn=_loss,
-        stages=_stages(pp, schedule),
+        stages=_stages(pp, schedule) if v is None else v * pp,
         schedule=schedule,
         shard=shard,
         init_fn=init_gpt_weights,
@@ -188,10 +190,10 @@ class _Held:
         self.t = t
 
 
-def _held(pp: int, schedule: str, m: int) -> dict:
+def _held(pp: int, schedule: str, m: int, v: int) -> dict:
     """Per stage of this rank: the peak microbatches with saved activations over two steps,
     the same over the rank's stages, and how many are left after them."""
-    pipe = _pipe(pp, schedule, False, False, m)
+    pipe = _pipe(pp, schedule, False, False, m, v)
     pipe.make_optimizer(torch.optim.SGD, lr=1e-2)
     saved = _Saved(pipe)
     x, y = _batch(m)
@@ -209,46 +211,47 @@ def _held(pp: int, schedule: str, m: int) -> dict:
     return out
 
 
-def _expected(pp: int, schedule: str, m: int, r: int) -> tuple[dict[int, int] | None, int]:
-    """What the schedule says pipeline rank ``r`` holds: per stage (None: not one figure per
-    stage), and over the rank. GPipe and LoopedBFS run every forward before any backward:
-    ``m`` per stage. 1F1B: stage ``s`` runs ``p - 1 - s`` warm-up forwards and one more
-    before its first backward: ``min(m, p - s)``. Interleaved1F1B (``v`` stages per rank,
-    Megatron's order): ``(v - 1) p + 2 (p - 1 - r)`` warm-up forwards plus one, over the
-    rank's stages together, at most all ``v m`` of them."""
-    if schedule in ("GPipe", "LoopedBFS"):
-        v = 1 if schedule == "GPipe" else 2
-        return {k: m for k in range(r, v * pp, pp)}, v * m
-    if schedule == "1F1B":
-        return {r: min(m, pp - r)}, min(m, pp - r)
-    v = 2
-    return None, min(v * m, (v - 1) * pp + 2 * (pp - 1 - r) + 1)
-
-
 @pytest.mark.parametrize(
-    ("pp", "schedule", "m"),
+    ("pp", "schedule", "m", "v"),
     [
-        (2, "GPipe", 4),
-        (2, "1F1B", 2),
-        (2, "1F1B", 8),
-        (2, "Interleaved1F1B", 2),
-        (2, "Interleaved1F1B", 8),
-        (2, "LoopedBFS", 4),
-        (4, "GPipe", 4),
-        (4, "1F1B", 8),
-        (4, "Interleaved1F1B", 4),
-        (4, "Interleaved1F1B", 8),
+        (2, "GPipe", 4, 1),
+        (2, "1F1B", 2, 1),
+        (2, "1F1B", 8, 1),
+        (2, "Interleaved1F1B", 2, 2),
+        (2, "Interleaved1F1B", 8, 2),
+        (2, "Interleaved1F1B", 3, 3),  # one round of 3 microbatches
+        (2, "Interleaved1F1B", 6, 3),
+        (2, "LoopedBFS", 4, 2),
+        (4, "GPipe", 4, 1),
+        (4, "1F1B", 8, 1),
+        (4, "Interleaved1F1B", 4, 2),
+        (4, "Interleaved1F1B", 8, 2),
     ],
 )
-def test_saved_activations_per_stage_as_the_schedule_says(pp: int, schedule: str, m: int) -> None:
-    got = run_distributed(_held, pp, pp, schedule, m, timeout=240)
+def test_saved_activations_per_stage_as_the_schedule_says(
+    pp: int, schedule: str, m: int, v: int
+) -> None:
+    got = run_distributed(_held, pp, pp, schedule, m, v, timeout=240)
+    want = torchshard.held_microbatches(schedule, pp, m, v)
     for r, g in enumerate(got):
-        per_stage, per_rank = _expected(pp, schedule, m, r)
         assert g["left"] == 0, (r, g)  # every microbatch's saved tensors freed by its backward
-        assert g["rank_peak"] == per_rank, (r, g, per_rank)
-        if per_stage is not None:
-            assert g["peak"] == per_stage, (r, g, per_stage)
+        assert g["rank_peak"] == want[r], (r, g, want)
         assert all(0 < n <= m for n in g["peak"].values()), (r, g)
-    last = pp * (1 if schedule in ("GPipe", "1F1B") else 2) - 1
-    if schedule not in ("GPipe", "LoopedBFS"):  # the last stage: forward, loss, backward
-        assert got[-1]["peak"][last] == 1, got[-1]
+        if schedule in ("GPipe", "LoopedBFS"):  # every forward before any backward
+            assert g["peak"] == {k: m for k in range(r, v * pp, pp)}, (r, g)
+    if schedule != "GPipe" and schedule != "LoopedBFS":  # the last: forward, loss, backward
+        assert got[-1]["peak"][v * pp - 1] == 1, got[-1]
+    assert [g["rank_peak"] for g in got] == list(want)
+
+
+def test_held_microbatches_figures_and_errors() -> None:
+    assert torchshard.held_microbatches("1F1B", 4, 8) == (4, 3, 2, 1)
+    assert torchshard.held_microbatches("1F1B", 4, 2) == (2, 2, 2, 1)
+    assert torchshard.held_microbatches("GPipe", 4, 8) == (8,) * 4
+    assert torchshard.held_microbatches("Interleaved1F1B", 4, 8, 2) == (11, 9, 7, 5)
+    with pytest.raises(torchshard.PipelineError, match="schedule"):
+        torchshard.held_microbatches("ZBVZeroBubble", 2, 4)
+    with pytest.raises(torchshard.PipelineError, match="stages_per_rank"):
+        torchshard.held_microbatches("1F1B", 2, 4, 2)
+    with pytest.raises(torchshard.PipelineError, match="microbatches"):
+        torchshard.held_microbatches("1F1B", 2, 0)

@@ -17,7 +17,7 @@ from .._parallel.memory import plan_memory
 from .plan import StagePlan, plan_stages
 from .split import split_stages
 
-__all__ = ["PipelineMemory", "plan_pipeline_memory"]
+__all__ = ["PipelineMemory", "held_microbatches", "plan_pipeline_memory"]
 
 
 @dataclass(frozen=True)
@@ -119,3 +119,41 @@ def plan_pipeline_memory(
         )
         out.append(tuple(planned))
     return PipelineMemory(plan, tuple(out))
+
+
+def held_microbatches(
+    schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1
+) -> tuple[int, ...]:
+    """Per pipeline rank, the most microbatches whose forward activations its stages hold at
+    once (a microbatch counted once per stage holding it), as torch's schedules run them.
+
+    GPipe and LoopedBFS run every forward before any backward: ``v * m`` (``v`` stages per
+    rank, ``m`` microbatches). 1F1B: rank ``r`` runs ``p - 1 - r`` warm-up forwards and one
+    more before its first backward, ``min(m, p - r)``: the first stage holds ``p``, the last
+    one. Interleaved1F1B: torch's warm-up (Megatron's), ``(v - 1) * k + 2 * (p - 1 - r)``
+    forwards with ``k`` microbatches per round (``p`` when ``m >= p``), plus one, at most
+    ``v * m``. Multiply by a stage's activation bytes per microbatch for the memory.
+
+    Example::
+
+        torchshard.held_microbatches("1F1B", 4, 8)             # (4, 3, 2, 1)
+        torchshard.held_microbatches("Interleaved1F1B", 4, 8, 2)  # (11, 9, 7, 5)
+    """
+    p, m, v = pp, microbatches, stages_per_rank
+    for name, n in (("pp", p), ("microbatches", m), ("stages_per_rank", v)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise PipelineError(f"{name}: expected a positive int, got {n!r}")
+    if schedule in ("GPipe", "LoopedBFS"):
+        if schedule == "GPipe" and v != 1:
+            raise PipelineError(f"stages_per_rank: GPipe runs one stage per rank, got {v}")
+        return tuple(v * m for _ in range(p))
+    if schedule == "1F1B":
+        if v != 1:
+            raise PipelineError(f"stages_per_rank: 1F1B runs one stage per rank, got {v}")
+        return tuple(min(m, p - r) for r in range(p))
+    if schedule == "Interleaved1F1B":
+        k = m // max(1, m // p)  # torch's microbatches per round
+        return tuple(min(v * m, (v - 1) * k + 2 * (p - 1 - r) + 1) for r in range(p))
+    raise PipelineError(
+        f"schedule: expected GPipe, 1F1B, Interleaved1F1B or LoopedBFS, got {schedule!r}"
+    )
