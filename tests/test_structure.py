@@ -420,6 +420,14 @@ PIPELINE = {  # issue 26: a plan (pure) -> pruned stages -> torch's stage -> the
     "_pipeline.grads": {"_flat.module", "_parallel.trainer", "_pipeline.runner"},
     "_pipeline.grid": {"_errors", "_pipeline.plan"},
     "_pipeline.optim": set(),
+    "_pipeline.cost": {
+        "_errors",
+        "_flat.layout",
+        "_parallel.footprint",
+        "_parallel.memory",
+        "_pipeline.plan",
+        "_pipeline.split",
+    },
     "_pipeline.runner": {
         "_dist",
         "_errors",

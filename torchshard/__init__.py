@@ -24,6 +24,7 @@ from ._parallel.modes import FullShard, Replicate, ShardOptimizer
 from ._parallel.shards import LocalShards, MemoryStats
 from ._parallel.traffic import CommPlan, plan_comm
 from ._parallel.trainer import CommStats, DistributedTrainer
+from ._pipeline.cost import PipelineMemory, held_microbatches, plan_pipeline_memory
 from ._pipeline.plan import StagePlan, plan_stages
 from ._pipeline.runner import Pipeline
 from ._pipeline.split import split_stages
@@ -55,6 +56,7 @@ __all__ = [
     "ParamSlot",
     "Pipeline",
     "PipelineError",
+    "PipelineMemory",
     "PowerSGD",
     "RankMemory",
     "RankMismatchError",
@@ -68,10 +70,12 @@ __all__ = [
     "TorchShardError",
     "UnwrittenBufferError",
     "__version__",
+    "held_microbatches",
     "init_distributed",
     "init_mesh",
     "plan_comm",
     "plan_memory",
+    "plan_pipeline_memory",
     "plan_stages",
     "set_log_ranks",
     "split_stages",
