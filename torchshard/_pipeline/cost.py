@@ -105,12 +105,6 @@ def plan_pipeline_memory(
             f"shard: expected False or True, got {shard!r}; a fully sharded stage "
             '(shard="full") is not supported in a pipeline yet'
         )
-    if plan.ties and shard:
-        t = plan.ties[0]
-        raise PipelineError(
-            f"shard=True: {t.name} is tied across stages {t.owner} and {t.holder} (as "
-            f"{t.alias}); tied weights across stages need shard=False for now"
-        )
     out = []
     for module in split_stages(model, plan, range(plan.num_stages)):
         layout = FlatLayout.from_module(module)
