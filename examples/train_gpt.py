@@ -44,6 +44,11 @@ continues the epoch exactly (docs/data.md).
     # split), data-parallel over the other 2 with any --shard mode (--dp-replicate too)
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --tp 2 --shard
 
+    # pipeline parallelism: the blocks split into 2 stages (1F1B over 4 microbatches per
+    # step), each stage data-parallel over 2 ranks (any --shard but full); its checkpoints
+    # resume at any --pp, world size or mode
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --pp 2 --microbatches 4
+
     # gradient compression on a slow link: PowerSGD of rank 4 (dense for the first 10 steps;
     # also bf16, fp16, star, topk:0.01); the log shows the bytes sent per step
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --comm powersgd:4
@@ -81,6 +86,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -230,6 +236,29 @@ def build_parser() -> argparse.ArgumentParser:
         "parallelism (any --shard mode, --dp-replicate) runs over world/T ranks; T must\n"
         "divide the heads and the vocabulary (256)",
     )
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        metavar="P",
+        help="pipeline parallelism: split the model into P stages of consecutive blocks, one\n"
+        "per group of world/P ranks (torchshard.Pipeline, torchshard.init_mesh(pp=P)); each\n"
+        "stage data-parallel over its world/P ranks (no --shard or --shard)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        metavar="M",
+        help="with --pp: pieces each rank's part of the batch is cut into, run through the\n"
+        "stages by --schedule (default: 2 x P)",
+    )
+    p.add_argument(
+        "--schedule",
+        default="1F1B",
+        choices=["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"],
+        help="with --pp: the pipeline schedule (torch's; the interleaved ones run 2 stages\n"
+        "per rank)",
+    )
     p.add_argument("--bf16", action="store_true", help="bf16 weights (with --shard: fp32 master)")
     p.add_argument(
         "--comm",
@@ -262,6 +291,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tp < 1:
         with rank0_speaks():
             parser.error(f"argument --tp: expected a number of ranks >= 1, got {args.tp}")
+    problem = pipeline_problem(args)
+    if problem:
+        with rank0_speaks():
+            parser.error(f"argument --pp: {problem}")
+    if args.microbatches is None:
+        args.microbatches = 2 * args.pp
     if args.comm is not None:
         try:  # torchshard checks the value (a rank >= 1, a ratio in (0, 1]) before any launch
             args.comm_object = make_comm(args.comm)
@@ -269,6 +304,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             with rank0_speaks():
                 parser.error(f"argument --comm: {e}")
     return args
+
+
+def pipeline_problem(args: argparse.Namespace) -> str | None:
+    """What --pp cannot go with (yet), or ``None``."""
+    if args.pp < 1:
+        return f"expected a number of stages >= 1, got {args.pp}"
+    if args.pp == 1:
+        return "--microbatches and --schedule need --pp" if args.microbatches else None
+    clash = [
+        f
+        for f, on in [
+            ("--tp", args.tp > 1),
+            ("--dp-replicate", args.dp_replicate > 1),
+            ("--shard full", args.shard == "full"),
+            ("--comm", args.comm is not None),
+            ("--grad-accum", args.grad_accum > 1),
+        ]
+        if on
+    ]
+    if clash:
+        return f"pipeline stages do not run with {', '.join(clash)} yet (--microbatches for accumulation)"
+    if args.microbatches is not None and args.microbatches < 1:
+        return f"--microbatches: expected >= 1, got {args.microbatches}"
+    return None
 
 
 # --comm NAME[:ARG]: the torchshard.comm class, the keyword ARG sets and its type, and fixed
@@ -396,18 +455,19 @@ def make_loader(
     return sampler, loader
 
 
-def make_mesh(replicas: int, tp: int = 1) -> torchshard.Mesh | None:
-    """``--dp-replicate``, ``--tp``: the mesh of ``replicas`` replicas of shard groups, each
-    rank's tensor-parallel group the ``tp`` consecutive ranks (``None`` for 1 and 1: the
-    trainer shards over every rank). Exits with the reason where it does not fit the world
-    size (every rank alike)."""
-    if replicas == 1 and tp == 1:
+def make_mesh(replicas: int, tp: int = 1, pp: int = 1) -> torchshard.Mesh | None:
+    """``--dp-replicate``, ``--tp``, ``--pp``: the mesh of ``replicas`` replicas of shard
+    groups, each rank's tensor-parallel group the ``tp`` consecutive ranks, ``pp`` pipeline
+    ranks outermost (``None`` for 1, 1 and 1: the trainer shards over every rank). Exits
+    with the reason where it does not fit the world size (every rank alike)."""
+    if replicas == 1 and tp == 1 and pp == 1:
         return None
     try:
-        return torchshard.init_mesh(dp_replicate=replicas, tp=tp)
+        return torchshard.init_mesh(dp_replicate=replicas, tp=tp, pp=pp)
     except torchshard.MeshError as e:
         dist.barrier()  # every rank fails alike; none leaves while a peer still connects
         flags = [f"--dp-replicate {replicas}"] * (replicas > 1) + [f"--tp {tp}"] * (tp > 1)
+        flags += [f"--pp {pp}"] * (pp > 1)
         raise SystemExit(f"{' '.join(flags)}: {e}") from e
 
 
@@ -441,6 +501,8 @@ def describe_mesh(mesh: torchshard.Mesh | None) -> str:
     parts = [f"hybrid: {replicas} replicas x {shards} shards"] if replicas > 1 else []
     if tp > 1:
         parts.append(f"tensor parallel: {mesh.dp_size} data-parallel x tp {tp}")
+    if mesh.pp_size > 1:
+        parts.append(f"pipeline: pp {mesh.pp_size} x {mesh.dp_size} data-parallel")
     return f" ({', '.join(parts)})" if parts else ""
 
 
@@ -567,12 +629,13 @@ def resume(
     except torchshard.checkpoint.CheckpointError as e:
         raise SystemExit(f"{Path(sys.argv[0]).stem}: cannot resume: {e}") from e
     loss = resumed.extra.get("loss")
-    tp = resumed.extra.get("tp", 1)
+    tp, pp = resumed.extra.get("tp", 1), resumed.extra.get("pp", 1)
     log.info(
-        "resumed from %s (saved at world size %s%s, loss %s)",
+        "resumed from %s (saved at world size %s%s%s, loss %s)",
         resumed.path,
         resumed.extra.get("world_size", "-"),
         f", tp {tp}" if tp > 1 else "",
+        f", pp {pp}" if pp > 1 else "",
         "-" if loss is None else f"{loss:.4f}",
     )
     if ckpt is not None:
@@ -694,14 +757,16 @@ def main(argv: list[str] | None = None) -> float:
     torch.manual_seed(args.seed)
     with torch.device("meta"):
         model = GPT(cfg)
-    mesh = make_mesh(args.dp_replicate, args.tp)
-    # --tp: each rank lays out its own pieces; the one-process init, sliced (bitwise)
-    fm = split_model(model, TP_PLAN, mesh, dtype=torch.bfloat16 if args.bf16 else None)
+    mesh = make_mesh(args.dp_replicate, args.tp, args.pp)
+    dtype = torch.bfloat16 if args.bf16 else None
     if args.bucket_mb is None:
         args.bucket_mb = 25.0 if info.device.type == "cuda" else 1.0
+    pipe = make_pipeline(model, mesh, args, info.device, dtype) if args.pp > 1 else None
+    # --tp: each rank lays out its own pieces; the one-process init, sliced (bitwise)
+    fm = None if pipe else split_model(model, TP_PLAN, mesh, dtype=dtype)
     comm = {} if args.comm is None else {"comm": args.comm_object}
     try:
-        trainer = torchshard.DistributedTrainer(
+        trainer = pipe or torchshard.DistributedTrainer(
             fm,
             device=info.device,
             mesh=mesh,
@@ -753,7 +818,7 @@ def main(argv: list[str] | None = None) -> float:
         info.device,
         {None: "replicated", "optimizer": "sharded", "full": "fully sharded"}[args.shard]
         + describe_mesh(mesh),
-        (fm.layout if fm.tp is None else fm.tp.whole).param_numel / 1e6,
+        torchshard.FlatLayout.from_module(model).param_numel / 1e6,
         len(train) + len(val),
         trainer.stats.buckets,
         "units" if args.shard == "full" else f"buckets of {args.bucket_mb:g} MiB",
@@ -775,7 +840,10 @@ def main(argv: list[str] | None = None) -> float:
         for group in opt.param_groups:
             group["lr"] = lr
         trainer.zero_grad()
-        for micro in range(args.grad_accum):
+        if pipe is not None:  # --pp: the stages run the step's microbatches (--schedule)
+            x, y = (t.to(info.device, non_blocking=True) for t in next(batches))
+            loss_sum += pipe.forward_backward(x, target=y).float()
+        for micro in range(args.grad_accum if pipe is None else 0):
             # pinned by the DataLoader on CUDA: the host queues the copies and goes on
             x, y = (t.to(info.device, non_blocking=True) for t in next(batches))
             # fully sharded: every backward reduce-scatters (no unsharded gradient to keep)
@@ -835,6 +903,7 @@ def main(argv: list[str] | None = None) -> float:
             extra = {
                 "world_size": info.world_size,
                 "tp": args.tp,
+                "pp": args.pp,
                 "loss": mean_loss if math.isfinite(mean_loss) else None,  # JSON has no NaN
                 "data": sampler.state_dict(),
                 "elapsed_s": elapsed + time.perf_counter() - t_start,  # training time so far
@@ -848,7 +917,7 @@ def main(argv: list[str] | None = None) -> float:
         log.info(
             "checkpoints: %s", ", ".join(p.name for p in sorted(Path(args.ckpt_dir).glob("step-*")))
         )
-    val_loss = evaluate(fm, val, args, info.device)
+    val_loss = evaluate(pipe or fm, val, args, info.device)
     log.info(
         "done: first logged loss %.4f, validation loss %.4f", first_loss or float("nan"), val_loss
     )
@@ -857,14 +926,51 @@ def main(argv: list[str] | None = None) -> float:
 
 
 @torch.no_grad()
-def evaluate(fm: torchshard.FlatParamModule, data: torch.Tensor, args, device) -> float:
-    fm.eval()
+def evaluate(model, data: torch.Tensor, args, device) -> float:
+    """The mean loss of 4 batches of ``data`` (the same on every rank): ``model`` a
+    FlatParamModule, or a Pipeline (forward only, through its schedule)."""
     gen = torch.Generator().manual_seed(1234)
-    losses = [
-        fm(*get_batch(data, args.batch_size, args.block_size, gen, device))[1] for _ in range(4)
-    ]
-    fm.train()
+    batches = [get_batch(data, args.batch_size, args.block_size, gen, device) for _ in range(4)]
+    if isinstance(model, torchshard.Pipeline):
+        return torch.stack([model.evaluate(x, target=y) for x, y in batches]).mean().item()
+    model.eval()
+    losses = [model(x, y)[1] for x, y in batches]
+    model.train()
     return torch.stack(losses).mean().item()
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A microbatch's mean cross-entropy, as GPT's forward computes it (the last stage's)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def make_pipeline(model, mesh: torchshard.Mesh, args, device, dtype) -> torchshard.Pipeline:
+    """--pp: the model in stages of consecutive blocks over the mesh's pipeline ranks, each
+    stage a trainer over its data-parallel ranks. Exits with the reason where the model
+    does not split or the batch does not cut into --microbatches (every rank alike)."""
+    local = args.batch_size // mesh.dp_size
+    if args.batch_size % mesh.dp_size or local % args.microbatches:
+        dist.barrier()  # every rank fails alike; none leaves while a peer still connects
+        raise SystemExit(
+            f"--batch-size {args.batch_size}: each of the {mesh.dp_size} data-parallel ranks "
+            f"must get a part that --microbatches {args.microbatches} divides"
+        )
+    try:
+        return torchshard.Pipeline(
+            model,
+            mesh=mesh,
+            microbatches=args.microbatches,
+            loss_fn=gpt_loss,
+            schedule=args.schedule,
+            shard=args.shard == "optimizer",
+            dtype=dtype,
+            init_fn=init_gpt_weights,
+            device=device,
+            bucket_mb=args.bucket_mb,
+        )
+    except torchshard.PipelineError as e:
+        dist.barrier()
+        raise SystemExit(f"--pp {args.pp}: {e}") from e
 
 
 if __name__ == "__main__":

@@ -321,6 +321,12 @@ def test_plan_tiles_the_layout_and_finds_the_tie() -> None:
         assert [t.alias for t in plan.ties] == ["lm_head.weight"]
         assert plan.replicas[-1] == ("lm_head.weight",) and not any(plan.replicas[:-1])
     assert torchshard.plan_stages(model, SPLIT, pp=2).modules == tuple(map(tuple, SPLIT))
+    # "auto" keeps what the forward uses together: the embeddings, and the norm with the head
+    six = torchshard.plan_stages(model, 6).modules
+    assert six[0] == ("wte", "wpe") and six[-1] == ("ln_f", "lm_head"), six
+    assert [m for (m,) in six[1:-1]] == [f"blocks.{i}" for i in range(4)]
+    with pytest.raises(torchshard.PipelineError, match="at least 7 groups"):
+        torchshard.plan_stages(model, 7)
     assert not torchshard.plan_stages(_meta(False), 2).ties
 
 

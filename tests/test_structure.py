@@ -433,6 +433,7 @@ PIPELINE = {  # issue 26: a plan (pure) -> pruned stages -> torch's stage -> the
         "_errors",
         "_flat.module",
         "_parallel.mesh",
+        "_parallel.seam",
         "_parallel.trainer",
         "_pipeline.grads",
         "_pipeline.grid",

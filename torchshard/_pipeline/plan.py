@@ -134,26 +134,42 @@ def _named(model: nn.Module, stages: Sequence[Sequence[str]]) -> list[tuple[str,
 
 
 def _auto(model: nn.Module, layout: FlatLayout, n: int) -> list[tuple[str, ...]]:
-    """Contiguous units, cut where the running parameter count crosses k/n of the total."""
-    units = stage_units(model)
+    """Contiguous groups of units, cut where the running parameter count crosses k/n of the
+    total. The units before a model's layer list go together (an embedding and a position
+    embedding that the forward adds), and so do those after it (a final norm and a head)."""
+    groups = _groups(model)
     sizes = []
-    for u in units:
-        names = _slot_names_under(layout, u)
-        sizes.append(sum(layout.slots[i].numel for i in names))
+    for g in groups:
+        slots = {i for u in g for i in _slot_names_under(layout, u)}
+        sizes.append(sum(layout.slots[i].numel for i in slots))
     if sum(1 for s in sizes if s) < n:
         raise PipelineError(
-            f"stages: {n} stages need at least {n} units with parameters, "
-            f"{type(model).__name__} has {sum(1 for s in sizes if s)}"
+            f"stages: {n} stages need at least {n} groups of modules with parameters (the "
+            f"layers, the modules before them, those after), {type(model).__name__} has "
+            f"{sum(1 for s in sizes if s)}"
         )
     total, run, k, have = sum(sizes), 0, 0, False
     cuts: list[list[str]] = [[] for _ in range(n)]
-    for i, (u, size) in enumerate(zip(units, sizes)):
-        left = sum(1 for s in sizes[i:] if s)  # units with parameters from here on
+    for i, (g, size) in enumerate(zip(groups, sizes)):
+        left = sum(1 for s in sizes[i:] if s)  # groups with parameters from here on
         if size and have and k < n - 1 and (run >= total * (k + 1) / n or left <= n - 1 - k):
             k, have = k + 1, False
-        cuts[k].append(u)
+        cuts[k].extend(g)
         run, have = run + size, have or size > 0
     return [tuple(c) for c in cuts]
+
+
+def _groups(model: nn.Module) -> list[list[str]]:
+    """:func:`stage_units`, the units before the first ``ModuleList`` child joined into one
+    group and those after the last joined into another (each unit alone without a list)."""
+    units = stage_units(model)
+    lists = {n for n, c in model.named_children() if isinstance(c, nn.ModuleList)}
+    inner = [i for i, u in enumerate(units) if u.split(".")[0] in lists]
+    if not inner:
+        return [[u] for u in units]
+    lo, hi = inner[0], inner[-1] + 1
+    head, tail = units[:lo], units[hi:]
+    return [head] * bool(head) + [[u] for u in units[lo:hi]] + [tail] * bool(tail)
 
 
 def _slot_names_under(layout: FlatLayout, name: str) -> list[int]:

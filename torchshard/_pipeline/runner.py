@@ -5,7 +5,7 @@ torch's own ``torch.distributed.pipelining``."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from .._dist import init_distributed, set_data_parallel
 from .._errors import PipelineError
 from .._flat.module import FlatParamModule
 from .._parallel.mesh import Mesh
+from .._parallel.seam import CommStats
 from .._parallel.trainer import DistributedTrainer
 from .grads import global_norm_, tie_grads, tie_weights
 from .grid import Grid
@@ -67,6 +68,7 @@ class Pipeline:
         stages_per_rank: stages each rank runs with ``stages="auto"`` (default: 1 for GPipe
             and 1F1B, 2 for the interleaved schedules).
         shard: each stage's data-parallel mode (``False`` or ``True``).
+        dtype: each stage's flat buffer's dtype (:class:`FlatParamModule`'s ``dtype=``).
         init_fn: as :class:`DistributedTrainer`'s, applied in the whole model's order.
         process_group: the ranks of the pipeline (default: the world).
         mesh: instead of ``pp=``: ``torchshard.init_mesh(pp=P)`` (pp outermost; each
@@ -96,6 +98,7 @@ class Pipeline:
         schedule: str = "1F1B",
         stages_per_rank: int | None = None,
         shard: bool = False,
+        dtype: torch.dtype | None = None,
         init_fn: Callable[[nn.Module], None] | None = None,
         process_group: dist.ProcessGroup | None = None,
         mesh: Mesh | None = None,
@@ -124,7 +127,7 @@ class Pipeline:
         self.stages: list[StageHandle] = []
         for k, module, group in zip(mine, split_stages(model, self.plan, mine), dp_groups):
             torch.set_rng_state(rng)
-            fm = FlatParamModule(module)
+            fm = FlatParamModule(module, dtype=dtype)
             trainer = DistributedTrainer(
                 fm,
                 process_group=group,
@@ -213,6 +216,16 @@ class Pipeline:
         if self._sharded:
             tie_weights(self)
         self._reduced = False
+
+    @property
+    def stats(self) -> CommStats:
+        """The data-parallel communication counters of this rank's stages, summed
+        (:attr:`DistributedTrainer.stats`); pipeline p2p is not counted."""
+        out = CommStats()
+        for h in self.stages:
+            for f in fields(CommStats):
+                setattr(out, f.name, getattr(out, f.name) + getattr(h.trainer.stats, f.name))
+        return out
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank's stages hold, summed (:meth:`DistributedTrainer.memory_bytes`)."""
