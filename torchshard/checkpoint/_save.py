@@ -44,6 +44,7 @@ from ._format import (
     rotate,
     tmp_dir,
 )
+from ._pp_save import save_pp
 from ._rendezvous import Rendezvous
 from ._safetensors import FileRecord
 from ._safetensors_writer import DirectBlock, SafetensorsWriter, write_safetensors
@@ -58,7 +59,7 @@ from ._staging import (
     bind_device,
     resolve_device,
 )
-from ._target import Checkpointable, Target
+from ._target import Checkpointable, PipelineState, Target
 from ._tp_save import save_tp
 
 __all__ = ["CheckpointFuture", "Writer", "async_save", "save"]
@@ -156,6 +157,12 @@ class Writer:
                 if not seen:  # an error nobody has seen yet must not pass silently
                     raise CheckpointError(f"the previous checkpoint save failed: {e}") from e
         extra_json = check_save_args(step, extra)
+        if isinstance(obj, PipelineState):  # the whole model's files, now (_pp_save)
+            done = save_pp(
+                obj, Path(root), step, optimizer, extra_json, keep_last, frozen, _tp_files
+            )
+            self._inflight = CheckpointFuture(done)
+            return self._inflight
         target = Target(obj)
         if target.tp is not None:  # the files of the whole model, now (_tp)
             done = save_tp(
