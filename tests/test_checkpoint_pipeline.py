@@ -107,7 +107,8 @@ def _matrix(root: Path) -> dict:
     checkpoint.save(root / "pp2", pipe, step=2, optimizer=opt)
     _train(pipe, opt, batches[2:])
     uninterrupted = _mine(pipe)
-    checkpoint.save(root / "pp2-4", pipe, step=4, optimizer=opt)
+    with checkpoint.Checkpointer(root / "pp2-4") as saver:  # as a trainer's
+        saver.save(pipe, step=4, optimizer=opt, blocking=True)
     pipe.close()
 
     _plain(root, "pp2", "pp1")  # pp=1 x dp=4
@@ -116,7 +117,7 @@ def _matrix(root: Path) -> dict:
 
     pipe = _pipe(2, seed=9, shard=True)  # a plain trainer's checkpoint, then on to step 4
     opt = pipe.make_optimizer(torch.optim.AdamW, lr=1e-2, foreach=False, groups=NO_DECAY)
-    checkpoint.load(root / "pp1", pipe, optimizer=opt)
+    checkpoint.Checkpointer(root / "pp1").load(pipe, optimizer=opt, fallback=True)
     _train(pipe, opt, batches[2:])
     resumed = _mine(pipe)
     checkpoint.save(root / "resumed", pipe, step=4, optimizer=opt)
@@ -180,6 +181,9 @@ def test_pp2_dp2_save_loads_anywhere_bitwise(tmp_path: Path) -> None:
         assert rank["uninterrupted"].keys() == rank["resumed"].keys()
         for name, x in rank["uninterrupted"].items():
             assert torch.equal(x, rank["resumed"][name]), name
+    assert checkpoint.inspect_checkpoint(tmp_path / "pp2").ok
+    resharded = checkpoint.reshard(_one(tmp_path / "pp2"), tmp_path / "re", 3)
+    _same(saved, _picture(resharded.parent))
     a = checkpoint.consolidate(_one(tmp_path / "pp2"), tmp_path / "a.safetensors")
     b = checkpoint.consolidate(_one(tmp_path / "pp1"), tmp_path / "b.safetensors")
     assert a and b
@@ -194,10 +198,14 @@ def _tied(root: Path, schedule: str) -> dict:
     pipe = _pipe(2, tied=tied, **kw)
     opt = pipe.make_optimizer(torch.optim.AdamW, lr=1e-2, foreach=False, groups=NO_DECAY)
     _train(pipe, opt, _batches(2))
-    checkpoint.save(root / "a", pipe, step=2, optimizer=opt)
+    checkpoint.async_save(root / "a", pipe, step=2, optimizer=opt).wait()
+    errors = {}
+    try:  # not the pipeline's optimizer
+        checkpoint.save(root / "x", pipe, step=2, optimizer=opt.parts[0])
+    except checkpoint.CheckpointError as e:
+        errors["not the pipeline's"] = str(e)
     pipe.close()
     out = _reload(root, "a", "b", 2, tied=tied, **kw)
-    errors = {}
     pipe = _pipe(2, tied=not tied, stages=SPLIT)  # another model: the layouts differ
     opt = pipe.make_optimizer(torch.optim.AdamW, lr=1e-2, foreach=False, groups=NO_DECAY)
     try:
@@ -227,6 +235,7 @@ def test_tied_embedding_replica_is_not_written_and_equals_its_owner(tmp_path: Pa
         assert "different model" in rank["errors"]["model"], rank["errors"]
         assert "lm_head.weight" in rank["errors"]["model"], rank["errors"]
         assert "AdamW" in rank["errors"]["optimizer"], rank["errors"]
+        assert "pipe.make_optimizer" in rank["errors"]["not the pipeline's"], rank["errors"]
 
 
 def test_interleaved_two_stages_per_rank(tmp_path: Path) -> None:

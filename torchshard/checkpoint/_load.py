@@ -432,6 +432,10 @@ def load(
     another ``rank`` or ``min_compression``) is dropped and the trainer keeps its own.
     ``info.comm`` says what happened (a warning on rank 0 where something was dropped).
 
+    ``trainer`` may be a ``torchshard.Pipeline`` (``optimizer``: its ``pipe.make_optimizer``):
+    it loads a checkpoint saved at any pipeline degree, split, data-parallel degree and
+    mode, or by a plain trainer; tied replicas end equal to their owner.
+
     Example::
 
         info = torchshard.checkpoint.load("ckpt", trainer, optimizer=opt, fallback=True)

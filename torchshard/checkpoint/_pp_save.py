@@ -189,6 +189,13 @@ def save_pp(
     """Save a pipeline's checkpoint as its one-process picture (see the module docstring);
     ``write(q, Q, share, tmp)`` writes one share's files and returns their records."""
     stages = pipeline_targets(pipe, optimizer)
+    for k, t, _ in stages:
+        kept = getattr(t.trainer, "comm_state", None)
+        if kept is not None and kept():
+            raise CheckpointError(
+                f"stage {k}: its comm keeps compression state, which a pipeline checkpoint "
+                "does not save yet; train the pipeline with a dense comm"
+            )
     whole, plan, dp = whole_layout(pipe), pipe.plan, pipe.dp_size
     owned, q_all = list(plan.owned), plan.num_stages * dp
     tiles, t0 = stage_tiles(whole, owned), stages[0][1]

@@ -384,7 +384,8 @@ def async_save(
 
     A tensor-parallel module (``tp_plan=``, ``init_mesh(tp=T)``) is saved as the whole
     model's files within this call, which returns a finished future (``docs/checkpoint-
-    format.md``, "Tensor parallelism").
+    format.md``, "Tensor parallelism"); so is a ``torchshard.Pipeline`` (with ``optimizer=``
+    its ``pipe.make_optimizer(...)``; "Pipelines").
 
     Example::
 
@@ -410,6 +411,9 @@ def save(
     checkpoint of the adapters and their optimizer state); a load then keeps the weights
     the model holds for them (its base, loaded from the pretrained weights first), and
     ``consolidate`` refuses it. (``async_save`` and ``Checkpointer.save`` take it too.)
+
+    ``trainer`` may be a ``torchshard.Pipeline``: the files are then the whole model's, as a
+    one-process save writes them (``docs/checkpoint-format.md``, "Pipelines").
 
     On CPU the files are written straight from the live tensors: no staging
     copy, no host memory kept afterwards (with ``shard="full"``, from this
