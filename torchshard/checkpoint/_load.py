@@ -193,7 +193,7 @@ def _read_share(
     return _Read(weights, mine, buffers, state, holdings)
 
 
-def _agree(t: Target, error: str | None, path: Path) -> _Refusal | None:
+def _agree(t: Target | PipelineLoad, error: str | None, path: Path) -> _Refusal | None:
     """Whether any rank failed (the same answer on every rank); raise on every rank if they
     resolved different checkpoints."""
     if t.world == 1:
@@ -307,7 +307,7 @@ def _apply(
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _candidates(given: Path, t: Target) -> tuple[bool, list[Path]]:
+def _candidates(given: Path, t: Target | PipelineLoad) -> tuple[bool, list[Path]]:
     """Whether ``given`` is one checkpoint (else a root), and the checkpoints to try, newest
     first: the same on every rank, or :class:`CheckpointError` on every rank (one exchange)."""
     single = (given / METADATA).is_file() or not given.is_dir()
