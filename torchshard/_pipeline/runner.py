@@ -112,6 +112,8 @@ class Pipeline:
         self.plan = _plan(model, stages, pp, single, stages_per_rank)
         self.microbatches, self._world = microbatches, process_group
         self._sharded = shard is True
+        self.whole = model  # the whole model, on meta: checkpoints record its layout and config
+        self.process_group = process_group  # the pipeline's ranks (None: the world)
         self._grid = grid = Grid(pp, process_group)
         self.pp_size, self.dp_size = pp, grid.dp
         self.pp_rank, self.dp_rank = grid.pp_rank, grid.dp_rank

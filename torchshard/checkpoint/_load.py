@@ -33,6 +33,7 @@ from ._format import METADATA, complete_checkpoints, resolve, saved_slots
 from ._metadata import Metadata, Readers, layout_difference, read_metadata
 from ._optim import MASTER, OptimizerView, group_problem, restore_group_values
 from ._plan import overlap
+from ._pp_load import PipelineLoad, target_of
 from ._reads import (
     BROADCAST_BACKENDS,
     Holding,
@@ -192,7 +193,7 @@ def _read_share(
     return _Read(weights, mine, buffers, state, holdings)
 
 
-def _agree(t: Target, error: str | None, path: Path) -> _Refusal | None:
+def _agree(t: Target | PipelineLoad, error: str | None, path: Path) -> _Refusal | None:
     """Whether any rank failed (the same answer on every rank); raise on every rank if they
     resolved different checkpoints."""
     if t.world == 1:
@@ -306,7 +307,7 @@ def _apply(
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _candidates(given: Path, t: Target) -> tuple[bool, list[Path]]:
+def _candidates(given: Path, t: Target | PipelineLoad) -> tuple[bool, list[Path]]:
     """Whether ``given`` is one checkpoint (else a root), and the checkpoints to try, newest
     first: the same on every rank, or :class:`CheckpointError` on every rank (one exchange)."""
     single = (given / METADATA).is_file() or not given.is_dir()
@@ -334,23 +335,26 @@ def _candidates(given: Path, t: Target) -> tuple[bool, list[Path]]:
 
 
 def _load_one(
-    given: Path, t: Target, optimizer: torch.optim.Optimizer | None, comm_error: str
+    given: Path, t: Target | PipelineLoad, optimizer: torch.optim.Optimizer | None, comm_error: str
 ) -> CheckpointInfo | _Refusal:
     """Load the checkpoint ``given`` (or the latest under it), or say why every rank refused
     it, having changed nothing: see :func:`load`."""
     error, share, path, comm, finish = None, None, given, None, None
-    readers = None
+    readers, stages = None, None
     try:
         path = resolve(path)
         meta = read_metadata(path)
-        _check_compatible(meta, t, optimizer)
         readers = Readers(meta)
-        if t.tp is not None:  # its local pieces of the whole tensors
-            read, finish = read_share_tp(meta, t, optimizer, readers)
-            share = _Read(*read)
+        if isinstance(t, PipelineLoad):  # each stage's slots of the whole tensors
+            stages = t.read(meta, readers)
         else:
-            share = _read_share(meta, t, optimizer, readers)
-        comm = read_comm(meta, t, readers, comm_error)  # the compression state: _comm_state
+            _check_compatible(meta, t, optimizer)
+            if t.tp is not None:  # its local pieces of the whole tensors
+                read, finish = read_share_tp(meta, t, optimizer, readers)
+                share = _Read(*read)
+            else:
+                share = _read_share(meta, t, optimizer, readers)
+            comm = read_comm(meta, t, readers, comm_error)  # the compression state: _comm_state
     except CheckpointError as e:
         error = str(e)
     except OSError as e:
@@ -361,7 +365,7 @@ def _load_one(
         if readers is not None:
             readers.close()
     try:
-        error = spread_error(t, error)  # a tp peer's, then the dp group's: every rank's
+        error = spread_error(t, error) if isinstance(t, Target) else error  # a tp peer's
         refusal = _agree(t, error, path)
     except CheckpointError:
         raise
@@ -372,8 +376,10 @@ def _load_one(
         ) from e
     if refusal is not None:
         return refusal
-    assert share is not None
     try:
+        if stages is not None:  # a pipeline: each stage over its data-parallel group
+            return t.apply(stages, lambda tk, ok, mk, read: _apply(mk, tk, _Read(*read), ok))
+        assert share is not None and isinstance(t, Target)
         if finish is not None:  # a split module: the tp group's exchange of what it read
             finish()
         _apply(meta, t, share, optimizer)
@@ -426,12 +432,16 @@ def load(
     another ``rank`` or ``min_compression``) is dropped and the trainer keeps its own.
     ``info.comm`` says what happened (a warning on rank 0 where something was dropped).
 
+    ``trainer`` may be a ``torchshard.Pipeline`` (``optimizer``: its ``pipe.make_optimizer``):
+    it loads a checkpoint saved at any pipeline degree, split, data-parallel degree and
+    mode, or by a plain trainer; tied replicas end equal to their owner.
+
     Example::
 
         info = torchshard.checkpoint.load("ckpt", trainer, optimizer=opt, fallback=True)
         start_step = info.step + 1
     """
-    t, comm_error = Target(trainer), check_comm_error(comm_error)
+    t, comm_error = target_of(trainer, optimizer), check_comm_error(comm_error)
     given = Path(path_or_root)
     single, paths = _candidates(given, t) if fallback else (True, [given])
     if single or not paths:  # one checkpoint, or none to try: loaded, or its error as it is

@@ -14,7 +14,7 @@ from .._log import get_logger
 from ._format import complete_checkpoints
 from ._load import load
 from ._save import CheckpointFuture, Writer
-from ._target import Checkpointable, CheckpointInfo
+from ._target import Checkpointable, CheckpointInfo, PipelineState
 
 __all__ = ["Checkpointer"]
 
@@ -113,7 +113,12 @@ class Checkpointer:
         self._writer.settle()
         where = self.root if path is None else path
         info = load(where, trainer, optimizer=optimizer, fallback=fallback, comm_error=comm_error)
-        if info.skipped and getattr(trainer, "rank", 0) == 0:
+        first = (
+            trainer.pp_rank == 0 and trainer.dp_rank == 0
+            if isinstance(trainer, PipelineState)
+            else getattr(trainer, "rank", 0) == 0
+        )
+        if info.skipped and first:
             for bad, _ in info.skipped:
                 if Path(bad).parent.resolve() == self.root.resolve():
                     _set_aside(Path(bad))

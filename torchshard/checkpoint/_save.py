@@ -44,6 +44,7 @@ from ._format import (
     rotate,
     tmp_dir,
 )
+from ._pp_save import save_pp
 from ._rendezvous import Rendezvous
 from ._safetensors import FileRecord
 from ._safetensors_writer import DirectBlock, SafetensorsWriter, write_safetensors
@@ -58,7 +59,7 @@ from ._staging import (
     bind_device,
     resolve_device,
 )
-from ._target import Checkpointable, Target
+from ._target import Checkpointable, PipelineState, Target
 from ._tp_save import save_tp
 
 __all__ = ["CheckpointFuture", "Writer", "async_save", "save"]
@@ -156,6 +157,12 @@ class Writer:
                 if not seen:  # an error nobody has seen yet must not pass silently
                     raise CheckpointError(f"the previous checkpoint save failed: {e}") from e
         extra_json = check_save_args(step, extra)
+        if isinstance(obj, PipelineState):  # the whole model's files, now (_pp_save)
+            done = save_pp(
+                obj, Path(root), step, optimizer, extra_json, keep_last, frozen, _tp_files
+            )
+            self._inflight = CheckpointFuture(done)
+            return self._inflight
         target = Target(obj)
         if target.tp is not None:  # the files of the whole model, now (_tp)
             done = save_tp(
@@ -377,7 +384,8 @@ def async_save(
 
     A tensor-parallel module (``tp_plan=``, ``init_mesh(tp=T)``) is saved as the whole
     model's files within this call, which returns a finished future (``docs/checkpoint-
-    format.md``, "Tensor parallelism").
+    format.md``, "Tensor parallelism"); so is a ``torchshard.Pipeline`` (with ``optimizer=``
+    its ``pipe.make_optimizer(...)``; "Pipelines").
 
     Example::
 
@@ -403,6 +411,9 @@ def save(
     checkpoint of the adapters and their optimizer state); a load then keeps the weights
     the model holds for them (its base, loaded from the pretrained weights first), and
     ``consolidate`` refuses it. (``async_save`` and ``Checkpointer.save`` take it too.)
+
+    ``trainer`` may be a ``torchshard.Pipeline``: the files are then the whole model's, as a
+    one-process save writes them (``docs/checkpoint-format.md``, "Pipelines").
 
     On CPU the files are written straight from the live tensors: no staging
     copy, no host memory kept afterwards (with ``shard="full"``, from this

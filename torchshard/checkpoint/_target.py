@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -24,10 +24,29 @@ from .._flat.tp import TensorParallel
 from .._parallel.state import TrainState
 from ._stripes import Stripes
 
-__all__ = ["CheckpointInfo", "Checkpointable", "Ranks", "Target"]
+__all__ = ["CheckpointInfo", "Checkpointable", "PipelineState", "Ranks", "Target"]
 
-Checkpointable = TrainState | FlatParamModule
-"""What save and load take: a trainer, or a bound ``FlatParamModule`` (a world of one)."""
+
+@runtime_checkable
+class PipelineState(Protocol):
+    """What a checkpoint reads of a ``torchshard.Pipeline`` (never its class): ``whole``, the
+    whole model on meta; ``plan``, the stage plan (``owned``, ``modules``, ``ties``);
+    ``stages``, this rank's ``(index, fm, trainer, stage)`` handles; the degrees and this
+    rank's coordinates; ``process_group``, its ranks (``None``: the world)."""
+
+    whole: Any
+    plan: Any
+    stages: list[Any]
+    dp_size: int
+    pp_size: int
+    dp_rank: int
+    pp_rank: int
+    process_group: dist.ProcessGroup | None
+
+
+Checkpointable = TrainState | FlatParamModule | PipelineState
+"""What save and load take: a trainer, a pipeline, or a bound ``FlatParamModule`` (a world
+of one)."""
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from ._reads import (
 from ._streams import Stream
 from ._target import Target
 
-__all__ = ["check_plan", "read_share_tp", "spread_error"]
+__all__ = ["check_plan", "read_pieces", "read_share_tp", "spread_error"]
 
 
 def check_plan(meta: Metadata, t: Target) -> None:
@@ -213,16 +213,28 @@ def read_share_tp(
     group; nothing changed before it)."""
     tp = t.tp
     assert tp is not None
-    layout, src = t.fm.layout, _Whole(meta, readers, tp)
-    if layout.mixed:
+    if t.fm.layout.mixed:
         raise CheckpointError(
             "trainer: a tensor-parallel module with parameters of several dtypes cannot load "
             "a checkpoint yet; load it at tp=1, or cast the model to one dtype"
         )
+    src = _Whole(meta, readers, tp)
+    return read_pieces(meta, t, optimizer, readers, src), lambda: src.finish(t.device)
+
+
+def read_pieces(
+    meta: Metadata, t: Target, optimizer: torch.optim.Optimizer | None, readers: Readers, src: Any
+) -> tuple[Any, ...]:
+    """This rank's reads, laid out as ``_load._read_share`` lays them out, slot by slot
+    from ``src``: ``src.file`` (whole slot -> its model file), ``src.weights(i, lo, hi,
+    dst)`` and ``src.state(stream, i, lo, hi, dst)`` (elements ``[lo, hi)`` of local slot
+    ``i``'s piece of the whole tensors; a pipeline stage's slots are whole ones, see
+    ``_pp_load``)."""
+    layout = t.fm.layout
     index = {id(s): i for i, s in enumerate(layout.slots)}
-    saved = {meta.layout.slots[i].name for i in src.file}
+    saved = {n for i in src.file for n in meta.layout.slots[i].names}  # a replica: an alias
     if meta.raw["weights"].get("frozen", True) is False:
-        saved = {s.name for s in meta.layout.slots if s.requires_grad} & saved
+        saved = {n for s in meta.layout.slots if s.requires_grad for n in s.names} & saved
     mine, reads, numel, within = weight_reads(t)
     weights = torch.empty(numel, dtype=layout.torch_dtype)
     live = t.fm.flat_param if t.fm.is_bound else t.stripes.tensor if t.stripes else None
@@ -255,4 +267,4 @@ def read_share_tp(
                 host = torch.empty(hold.numel, dtype=stream.dtype)
                 zero_gaps(host, _fill(layout, hold.parts, host, piece), hold.within)
             state[stream], holdings[stream] = host, hold
-    return (weights, mine, buffers, state, holdings), lambda: src.finish(t.device)
+    return weights, mine, buffers, state, holdings

@@ -43,7 +43,7 @@ from ._share import Share
 from ._streams import Stream
 from ._target import Target
 
-__all__ = ["save_tp"]
+__all__ = ["local_state", "local_weights", "save_tp"]
 
 
 def _mesh(t: Target) -> Any:
@@ -65,7 +65,7 @@ def _on_dp_rank(t: Target, d: int, a: int, b: int, dtype: torch.dtype, fill: Any
     return out.to(t.device) if t.rank == d else None
 
 
-def _local_weights(t: Target, i: int, d: int) -> torch.Tensor | None:
+def local_weights(t: Target, i: int, d: int) -> torch.Tensor | None:
     """Local slot ``i``'s weights (shaped) on data-parallel rank ``d``; where every rank holds
     them (a flat buffer), on every rank; else ``None``."""
     slot = t.fm.layout.slots[i]
@@ -84,10 +84,10 @@ def _local_weights(t: Target, i: int, d: int) -> torch.Tensor | None:
     return None if got is None else got.view(slot.shape)
 
 
-def _local_state(
+def local_state(
     t: Target, view: OptimizerView, stream: Stream, i: int, d: int
 ) -> torch.Tensor | None:
-    """:func:`_local_weights` for the optimizer's state of ``stream`` (zeros where it holds
+    """:func:`local_weights` for the optimizer's state of ``stream`` (zeros where it holds
     none)."""
     slot = t.fm.layout.slots[i]
     if t.owns_state(view.optimizer):  # the trainer's sharding optimizer: its stripes
@@ -156,7 +156,7 @@ def _collect(
     for i, slot in enumerate(whole.slots):  # every rank, every slot, alike: collectives
         if frozen or slot.requires_grad:
             w = next(q for q, (a, b) in enumerate(runs) if a <= i < b)
-            full = _to_writer(t, tp, i, w, lambda d, i=i: _local_weights(t, i, d))
+            full = _to_writer(t, tp, i, w, lambda d, i=i: local_weights(t, i, d))
             if full is not None:
                 share.weights.append((slot.name, full.detach().to("cpu", copy=True)))
         if view is None or (sparse and not slot.requires_grad):
@@ -166,7 +166,7 @@ def _collect(
         for stream, host in zip(streams, hosts):
             for w in writers:
                 full = _to_writer(
-                    t, tp, i, w, lambda d, i=i, s=stream: _local_state(t, view, s, i, d)
+                    t, tp, i, w, lambda d, i=i, s=stream: local_state(t, view, s, i, d)
                 )
                 if full is None:
                     continue
