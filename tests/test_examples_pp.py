@@ -91,7 +91,7 @@ def test_train_gpt_pp2_resumes_at_another_pipeline_degree(tmp_path):
     ours, theirs = final_weights(a / "step-00000008"), final_weights(b / "step-00000008")
     assert ours.keys() == theirs.keys() and ours
     assert all(torch.equal(ours[k], theirs[k]) for k in ours), "resumed weights differ"
-    for nproc, flags in ((2, []), (4, ["--pp", "4", "--microbatches", "3"])):
+    for nproc, flags in ((2, []), (4, ["--pp", "4", "--microbatches", "4"])):
         launch = ("--standalone", "--nproc-per-node", str(nproc))
         again = [*gpt, *flags, "--ckpt-dir", "", "--resume-from", str(step4)]
         text = run(torchrun(*launch, TRAIN_GPT, *again))

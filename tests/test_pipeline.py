@@ -457,3 +457,15 @@ def test_a_mesh_with_pp_builds_the_same_pipeline() -> None:
     for _, d, steps in got:
         for step, params in enumerate(steps):
             assert all(torch.equal(t, flat[d][step][n]) for n, t in params.items())
+
+
+def test_the_optimizer_follows_its_parts_groups_when_they_are_replaced() -> None:
+    """A load replaces each stage optimizer's group dicts: LR changes must still land."""
+    from torchshard._pipeline.optim import PipelineOptimizer
+
+    a, b = (torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0) for _ in range(2))
+    opt = PipelineOptimizer([a, b], lambda: None)
+    a.load_state_dict(a.state_dict())  # new dicts, as torch's load_state_dict makes
+    for g in opt.param_groups:
+        g["lr"] = 0.5
+    assert [g["lr"] for p in (a, b) for g in p.param_groups] == [0.5, 0.5]

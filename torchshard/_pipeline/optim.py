@@ -13,8 +13,8 @@ __all__ = ["PipelineOptimizer"]
 
 
 class PipelineOptimizer(torch.optim.Optimizer):
-    """The optimizers of a rank's stages as one. ``param_groups`` is the list of every
-    stage's group dicts (the same dicts: setting ``lr`` on one sets it for its stage);
+    """The optimizers of a rank's stages as one. ``param_groups`` lists every stage's group
+    dicts (the same dicts: setting ``lr`` on one sets it for its stage);
     ``step()`` is the pipeline's step (reductions, ties, then each stage's update).
 
     Example::
@@ -30,10 +30,14 @@ class PipelineOptimizer(torch.optim.Optimizer):
         self.parts = parts
         self._step_fn = step
         self.defaults = dict(parts[0].defaults)
-        self.param_groups = [g for p in parts for g in p.param_groups]
         self._optimizer_step_pre_hooks: dict = {}
         self._optimizer_step_post_hooks: dict = {}
         self._opt_called = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """Every stage's groups, read anew each time (a checkpoint load replaces them)."""
+        return [g for p in self.parts for g in p.param_groups]
 
     @property
     def state(self) -> dict:  # type: ignore[override]
