@@ -219,6 +219,7 @@ def _grid(
             norm = pipe.clip_grad_norm_(clip) if clip else None
             pipe.step()
             params = _mine(pipe, "param")
+            params["launched"] = (pipe.stats.launched_during_backward, pipe.stats.buckets)
         out.append({**params, "norm": norm})
     (trainer if pp == 1 else pipe).close()
     return dp_rank, out
@@ -240,10 +241,13 @@ def test_pp2_dp2_matches_pp1_dp2_bitwise(shard: bool, schedule: str) -> None:
         assert len(parts) == 2
         for step, ref in enumerate(want):
             got = {**parts[0][step], **parts[1][step]}
-            assert set(got) == set(ref)
+            assert set(got) - {"launched"} == set(ref)
             for name, t in ref.items():
                 if name != "norm":
                     assert torch.equal(got[name], t), (dp_rank, step, name)
+            for part in parts:  # each stage's reduction started in its last backward
+                launched, buckets = part[step]["launched"]
+                assert launched == buckets > 0, part[step]["launched"]
 
 
 def _bad_inputs() -> list[str]:
@@ -394,7 +398,7 @@ def test_tie_with_dp2_stays_in_sync_and_matches_pp1_float64(shard: bool) -> None
             assert want > 0.1 and abs(float(norms[0]) - want) <= 1e-12 * want, (norms[0], want)
             got = {**first[step], **last[step]}
             for name, t in ref.items():
-                if name == "norm":
+                if name in ("norm", "launched"):
                     continue
                 scale = float(t.abs().max())
                 assert float((got[name] - t).abs().max()) <= 1e-12 * scale, (dp_rank, step, name)
@@ -469,3 +473,58 @@ def test_the_optimizer_follows_its_parts_groups_when_they_are_replaced() -> None
     for g in opt.param_groups:
         g["lr"] = 0.5
     assert [g["lr"] for p in (a, b) for g in p.param_groups] == [0.5, 0.5]
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.spare = nn.Linear(8, 8), nn.Linear(8, 8)  # spare: never used
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _unused() -> dict:
+    """pp=2: a parameter no forward uses keeps no gradient and its weight, as in a trainer."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = _Net()
+    mse = torch.nn.functional.mse_loss
+    pipe = torchshard.Pipeline(model, pp=2, microbatches=2, loss_fn=mse)
+    pipe.make_optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, foreach=False)
+    before = _mine(pipe, "param")
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+        pipe.zero_grad()
+        pipe.forward_backward(x, target=y)
+        pipe._finish()
+        grads = {n: p.grad for h in pipe.stages for n, p in h.fm.module.named_parameters()}
+        pipe.step()
+    after = _mine(pipe, "param")
+    pipe.close()
+    return {
+        "none": sorted(n for n, g in grads.items() if g is None),
+        "before": before,
+        "after": after,
+    }
+
+
+def test_unused_parameters_keep_no_gradient_and_their_weight() -> None:
+    for got in run_distributed(_unused, 2):
+        spare = sorted(n for n in got["before"] if ".spare." in n)
+        assert got["none"] == spare and len(spare) == 4, got["none"]
+        for n in got["before"]:
+            same = torch.equal(got["before"][n], got["after"][n])
+            assert same == (n in spare), n  # decay skips a parameter without a gradient
