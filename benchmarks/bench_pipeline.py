@@ -6,8 +6,10 @@ pipeline. CPU, gloo, one thread per rank, fp32.
                                         [--out benchmarks/results/pipeline.json]
 
 The model: a stack of ``BLOCKS`` residual MLP blocks (``x + W2 gelu(W1 x)``, width ``DIM``,
-hidden ``4 * DIM``), a mean-squared-error loss, ``ROWS`` rows per microbatch: compute-heavy
-stages with small activations, so the p2p transfers are cheap beside the stage's work.
+hidden ``4 * DIM``), a mean-squared-error loss: compute-heavy stages with small activations.
+The bubble runs ``ROWS`` rows per microbatch (a stage's forward and backward of one
+microbatch take about 100 ms here, so gloo's p2p latency, a millisecond or two, printed
+beside, is small beside them); the speed parts ``SPEED_ROWS``.
 
 1. **Bubble**, pp=2 (2 ranks), ``m`` = 2, 4, 8 microbatches of ``ROWS`` rows each: GPipe and
    1F1B (one stage of ``BLOCKS / 2`` blocks per rank), Interleaved1F1B and LoopedBFS (two
@@ -21,16 +23,16 @@ stages with small activations, so the p2p transfers are cheap beside the stage's
    bubble (Narayanan et al. 2021, section 2.2) is (1/v)(p-1)/m of the ideal time, the
    same as a fraction of the step. Targets: within 0.05 of theory on every rank; the
    interleaved schedules' bubble below 1F1B's at the same m.
-2. **Speed against torch's pipelining by hand**, pp=2 (2 ranks), 1F1B, m=4: the same stages
+2. **Speed against torch's pipelining by hand**, pp=2 (2 ranks), 1F1B, m=8: the same stages
    as plain modules (``torchshard.split_stages`` of the model, the torchshard stage's
    weights copied in), torch's ``PipelineStage`` and ``Schedule1F1B`` with the loss divided
    by m and ``scale_grads=False`` (torchshard's scaling), ``torch.optim.AdamW`` per stage.
    Target: at most 1.05x.
-3. **Speed against torchtitan's FSDP2 pipeline**, pp=2 x dp=2 (4 ranks), 1F1B, m=4: each
+3. **Speed against torchtitan's FSDP2 pipeline**, pp=2 x dp=2 (4 ranks), 1F1B, m=8: each
    stage ``fully_shard`` per block and on its root over the dp dimension of a 2-D
    ``DeviceMesh`` (``("pp", "dp")``, pp outermost as torchshard's grid), with
    ``reshard_after_forward=False`` (torchtitan's default when pipelining), then
-   ``PipelineStage`` + ``Schedule1F1B``, AdamW. torchshard ``shard=True`` (the same memory
+   ``PipelineStage`` + ``Schedule1F1B``, AdamW (no clipping in either arm). torchshard ``shard=True`` (the same memory
    class: whole parameters through forward and backward, sharded optimizer state) against
    it; target at most 1.0x; ``shard=False`` for context. **4 processes on 2 cores are
    oversubscribed**: wall-clock ratios scatter; CPU time is printed beside it.
@@ -60,12 +62,13 @@ import torchshard
 
 fully_shard, _ = fsdp2_api()
 
-DIM, BLOCKS, ROWS = 256, 8, 512  # width, blocks, rows per microbatch
+DIM, BLOCKS = 256, 8  # width, blocks
+ROWS, SPEED_ROWS = 1024, 128  # rows per microbatch: bubble (heavy chunks), speed
 PP, V = 2, 2  # pipeline degree; stages per rank of the interleaved schedules
 MICROBATCHES = (2, 4, 8)
 BUBBLE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
 INTERLEAVED = ("Interleaved1F1B", "LoopedBFS")
-SPEED_M = 4
+SPEED_M = 8
 ADAMW = dict(lr=1e-4)
 WITHIN = 0.05  # bubble: the target's distance from theory
 CHECKS = (("ts.step / torch.step", 1.05), ("ts_shard.step / fsdp2_pp.step", 1.0))
@@ -118,9 +121,9 @@ def pipeline(schedule: str, m: int, shard: bool = False) -> torchshard.Pipeline:
     return pipe
 
 
-def batches(n: int, m: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(n: int, m: int, rows: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randn(m * ROWS, DIM, generator=g) for _ in "xy") for _ in range(n)]  # type: ignore[misc]
+    return [tuple(torch.randn(m * rows, DIM, generator=g) for _ in "xy") for _ in range(n)]  # type: ignore[misc]
 
 
 # -- 1. bubble --------------------------------------------------------------------------------
@@ -157,7 +160,7 @@ def run_bubble(opts: argparse.Namespace) -> dict:
             errors[key] = str(e)
             continue
         busy[key] = Busy([h.stage for h in pipes[key].stages])
-        data[key] = batches(opts.warmup + opts.bubble_steps, m, 1000)
+        data[key] = batches(opts.warmup + opts.bubble_steps, m, ROWS, 1000)
     keys = list(pipes)
     out: dict = {"bubble": {k: [] for k in keys}, "step": {k: [] for k in keys}, "errors": errors}
     for i in range(opts.warmup + opts.bubble_steps):
@@ -176,6 +179,26 @@ def run_bubble(opts: argparse.Namespace) -> dict:
                 out["step"][key].append(step)
     for pipe in pipes.values():
         pipe.close()
+    out["p2p_s"] = ping_pong(opts.warmup + opts.bubble_steps)
+    return out
+
+
+def ping_pong(n: int) -> list[float]:
+    """One-way seconds of a microbatch's activation (``ROWS x DIM`` fp32) between the two
+    ranks on gloo: half a ping-pong's round trip, ``n`` times (what a stage waits per p2p
+    on the critical path beyond theory)."""
+    t, rank = torch.zeros(ROWS, DIM), dist.get_rank()
+    out = []
+    for _ in range(n):
+        dist.barrier()
+        t0 = now()
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        elif rank == 1:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+        out.append((now() - t0) / 2)
     return out
 
 
@@ -190,8 +213,10 @@ def summarize_bubble(ranks: list[dict]) -> dict:
         out[key] = dict(schedule=s, m=int(m), theory=th, by_rank=by_rank, max_dev=dev,
                         verdict=verdict(dev, WITHIN))  # fmt: skip
         med = [sorted(b)[len(b) // 2] for b in by_rank]
+        step = 1e3 * sorted(ranks[0]["step"][key])[len(ranks[0]["step"][key]) // 2]
         rows.append((key, f"{th:.3f}", *(spread_text(b, 3, "") for b in by_rank),
-                     f"{max(abs(x - th) for x in med):.3f}", out[key]["verdict"]))  # fmt: skip
+                     f"{max(abs(x - th) for x in med):.3f}", out[key]["verdict"],
+                     f"{step:.0f}"))  # fmt: skip
     title = (
         f"\nbubble = 1 - busy/step per rank, pp={PP}, {BLOCKS} blocks of width {DIM}, "
         f"{ROWS} rows per microbatch; interleaved: {V} stages per rank; median (spread) over steps"
@@ -218,7 +243,11 @@ def summarize_bubble(ranks: list[dict]) -> dict:
                   f"{spread_text(ratios)}: {below[key]['verdict']}")  # fmt: skip
     for key, err in ranks[0]["errors"].items():
         print(f"{key}: {err}")
-    return dict(configs=out, below_1f1b=below, errors=ranks[0]["errors"])
+    p2p = ranks[0]["p2p_s"]
+    print(
+        f"p2p of one activation ({ROWS}x{DIM} fp32), one way: {spread_text([1e3 * x for x in p2p], 2, ' ms')}"
+    )
+    return dict(configs=out, below_1f1b=below, errors=ranks[0]["errors"], p2p_s=p2p)
 
 
 # -- 2 and 3. speed -----------------------------------------------------------------------------
@@ -287,7 +316,7 @@ def run_speed(part: str, opts: argparse.Namespace) -> dict:
         configs = {"ts_shard": Ts(shard), "fsdp2_pp": peer, "ts_repl": Ts(repl)}
         ts = shard
     dp_rank = ts.dp_rank
-    data = batches(opts.warmup + opts.steps, SPEED_M, 2000 + dp_rank)
+    data = batches(opts.warmup + opts.steps, SPEED_M, SPEED_ROWS, 2000 + dp_rank)
     names = list(configs)
     out: dict = {k: {n: [] for n in names} for k in ("wall", "cpu", "losses")}
     for i, (x, y) in enumerate(data):
@@ -336,7 +365,7 @@ def summarize_speed(part: str, ranks: list[dict]) -> dict:
     title = (
         f"\n{part}: {world} ranks ({PP} pp x {world // PP} dp) on {cores()} cores"
         + (" (OVERSUBSCRIBED: wall-clock ratios scatter)" if over else "")
-        + f", 1F1B, m={SPEED_M} x {ROWS} rows per dp rank; per step the max over ranks,"
+        + f", 1F1B, m={SPEED_M} x {SPEED_ROWS} rows per dp rank; per step the max over ranks,"
         " median (p10-p90)"
     )
     print(format_table(["step time (ms)", "wall", "CPU", f"max |loss - {base}|"], rows, title))
@@ -377,7 +406,9 @@ def main() -> None:
     paired = {k: v for s in parts.values() for k, v in s["paired"].items()}
     checks = {}
     for key, target in CHECKS:
-        part = next(name for name, s in parts.items() if key in s["paired"])
+        part = next((name for name, s in parts.items() if key in s["paired"]), None)
+        if part is None:  # not run (--parts)
+            continue
         v = verdict(paired[key]["wall"], target)
         if parts[part]["oversubscribed"] and not v.startswith("met"):
             v += f" ({parts[part]['world']} processes on {cores()} cores: oversubscribed)"
@@ -387,7 +418,16 @@ def main() -> None:
     print(f"\ntotal {total:.0f} s; 1-min load {machine['loadavg'][0]:.1f} at start, "
           f"{load[0]:.1f} at end ({cores()} cores)")  # fmt: skip
     results = {"benchmark": "pipeline", "machine": machine, "measured": code, "args": vars(opts)}
-    results.update(dim=DIM, blocks=BLOCKS, rows=ROWS, pp=PP, v=V, speed_m=SPEED_M, adamw=ADAMW)
+    results.update(
+        dim=DIM,
+        blocks=BLOCKS,
+        rows=ROWS,
+        speed_rows=SPEED_ROWS,
+        pp=PP,
+        v=V,
+        speed_m=SPEED_M,
+        adamw=ADAMW,
+    )
     results.update(cores=cores(), within=WITHIN, bubble=bubble, parts=parts, paired=paired)
     results.update(checks=checks, loadavg_end=list(load), total_s=total, samples_by_rank=samples)
     print(f"wrote {write_json(opts.out, results)}")

@@ -87,7 +87,7 @@ ROWS = (
         ("pipeline",),
     ),
     Row(
-        "pipeline step (pp=2, 1F1B, m=4, 2 ranks) vs torch's pipelining by hand on the same "
+        "pipeline step (pp=2, 1F1B, m=8, 2 ranks) vs torch's pipelining by hand on the same "
         "stages (plain modules, `PipelineStage`, `Schedule1F1B`, AdamW)",
         PAIRED,
         _vs_hand,
@@ -95,7 +95,7 @@ ROWS = (
         ("pipeline",),
     ),
     Row(
-        "pipeline step pp2 x dp2 (4 ranks, 1F1B, m=4) vs torchtitan's FSDP2 pipeline "
+        "pipeline step pp2 x dp2 (4 ranks, 1F1B, m=8) vs torchtitan's FSDP2 pipeline "
         "(`fully_shard` per block and stage over the dp dimension, "
         "`reshard_after_forward=False`, `PipelineStage`): `shard=True` / replicated",
         PAIRED,
