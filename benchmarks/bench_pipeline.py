@@ -8,7 +8,7 @@ pipeline. CPU, gloo, one thread per rank, fp32.
 The model: a stack of ``BLOCKS`` residual MLP blocks (``x + W2 gelu(W1 x)``, width ``DIM``,
 hidden ``4 * DIM``), a mean-squared-error loss: compute-heavy stages with small activations.
 The bubble runs ``ROWS`` rows per microbatch (a stage's forward and backward of one
-microbatch take about 100 ms here, so gloo's p2p latency, a millisecond or two, printed
+microbatch take about 70 ms here, so gloo's p2p latency, a millisecond or two, printed
 beside, is small beside them); the speed parts ``SPEED_ROWS``.
 
 1. **Bubble**, pp=2 (2 ranks), ``m`` = 2, 4, 8 microbatches of ``ROWS`` rows each: GPipe and
@@ -63,7 +63,7 @@ import torchshard
 fully_shard, _ = fsdp2_api()
 
 DIM, BLOCKS = 256, 8  # width, blocks
-ROWS, SPEED_ROWS = 1024, 128  # rows per microbatch: bubble (heavy chunks), speed
+ROWS, SPEED_ROWS = 512, 128  # rows per microbatch: bubble (heavy chunks), speed
 PP, V = 2, 2  # pipeline degree; stages per rank of the interleaved schedules
 MICROBATCHES = (2, 4, 8)
 BUBBLE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
