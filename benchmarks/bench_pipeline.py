@@ -7,9 +7,11 @@ pipeline. CPU, gloo, one thread per rank, fp32.
 
 The model: a stack of ``BLOCKS`` residual MLP blocks (``x + W2 gelu(W1 x)``, width ``DIM``,
 hidden ``4 * DIM``), a mean-squared-error loss: compute-heavy stages with small activations.
-The bubble runs ``ROWS`` rows per microbatch (a stage's forward and backward of one
-microbatch take about 70 ms here, so gloo's p2p latency, a millisecond or two, printed
-beside, is small beside them); the speed parts ``SPEED_ROWS``.
+The bubble runs ``ROWS`` rows per microbatch: a stage's forward and backward of one
+microbatch take about 90 ms here, against about 1-2 ms per forward or backward action
+outside the stage's computation (torch's schedule runtime and gloo's p2p, whose latency is
+printed beside): the theory counts neither, so the measured bubble sits above it by that
+share, which halves when the microbatch doubles. The speed parts run ``SPEED_ROWS``.
 
 1. **Bubble**, pp=2 (2 ranks), ``m`` = 2, 4, 8 microbatches of ``ROWS`` rows each: GPipe and
    1F1B (one stage of ``BLOCKS / 2`` blocks per rank), Interleaved1F1B and LoopedBFS (two
@@ -63,7 +65,7 @@ import torchshard
 fully_shard, _ = fsdp2_api()
 
 DIM, BLOCKS = 256, 8  # width, blocks
-ROWS, SPEED_ROWS = 512, 128  # rows per microbatch: bubble (heavy chunks), speed
+ROWS, SPEED_ROWS = 1024, 128  # rows per microbatch: bubble (heavy chunks), speed
 PP, V = 2, 2  # pipeline degree; stages per rank of the interleaved schedules
 MICROBATCHES = (2, 4, 8)
 BUBBLE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")

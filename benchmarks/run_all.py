@@ -71,7 +71,7 @@ SCRIPTS = {
     "tp": ("bench_tp.py", "--steps 30 --warmup 3", "--steps 3 --warmup 1"),
     "pipeline": (
         "bench_pipeline.py",
-        "--steps 30 --bubble-steps 10 --warmup 3",
+        "--steps 20 --bubble-steps 10 --warmup 2",
         "--steps 3 --bubble-steps 2 --warmup 1",
     ),
 }
