@@ -5,8 +5,8 @@
     python benchmarks/run_all.py --results DIR [--allow-dirty]
 
 Runs bench_flat.py, bench_trainer.py, bench_sharded.py, bench_full.py, bench_hsdp.py,
-bench_comm.py, bench_checkpoint.py, scale.py, bench_lora.py, bench_mixed.py and bench_tp.py one after
-the other (each in
+bench_comm.py, bench_checkpoint.py, scale.py, bench_lora.py, bench_mixed.py, bench_tp.py and
+bench_pipeline.py one after the other (each in
 its own interpreter, with the step and round counts below, chosen so that the whole run fits
 in 15 minutes on the project's 2-core machine when nothing else runs there), writes ``run.json`` (this command, each script's wall time, the machine and
 commit), then ``python benchmarks/summary.py --write README.md benchmarks/README.md`` and
@@ -69,6 +69,11 @@ SCRIPTS = {
     "lora": ("bench_lora.py", "--steps 30 --warmup 3", "--steps 3 --warmup 1"),
     "mixed": ("bench_mixed.py", "--steps 30 --warmup 3", "--steps 3 --warmup 1"),
     "tp": ("bench_tp.py", "--steps 30 --warmup 3", "--steps 3 --warmup 1"),
+    "pipeline": (
+        "bench_pipeline.py",
+        "--steps 20 --bubble-steps 10 --warmup 2",
+        "--steps 3 --bubble-steps 2 --warmup 1",
+    ),
 }
 assert tuple(SCRIPTS) == summary.FILES
 

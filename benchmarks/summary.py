@@ -10,7 +10,8 @@
 Reads flat.json (bench_flat.py), trainer.json (bench_trainer.py), sharded.json
 (bench_sharded.py), full.json (bench_full.py), hsdp.json (bench_hsdp.py), comm.json
 (bench_comm.py), checkpoint.json (bench_checkpoint.py), scale.json (scale.py), lora.json
-(bench_lora.py), mixed.json (bench_mixed.py), tp.json (bench_tp.py), run.json (run_all.py: the command, its wall
+(bench_lora.py), mixed.json (bench_mixed.py), tp.json (bench_tp.py), pipeline.json
+(bench_pipeline.py), run.json (run_all.py: the command, its wall
 time) and convergence.json (bench_convergence.py, too slow for run_all.py) and prints one
 markdown table row per headline number (``rows/<benchmark>.py``): what kind of number it is
 (measured, paired, counted, computed), the result, its target and whether the target is met

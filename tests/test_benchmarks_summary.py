@@ -473,6 +473,7 @@ def test_the_fully_sharded_mode_is_measured_only_where_it_runs(tree: Path) -> No
     write(tree, "torchshard/_parallel/x.py", "v2\n")  # the trainer core: every mode
     problems = freshness.stale(results, tree)
     want = {"trainer", "sharded", "full", "hsdp", "comm", "checkpoint", "lora", "mixed", "tp"}
+    want.add("pipeline")  # replicated and shard=True stages
     assert stale_names(problems) == want, problems  # not the convergence runs: see below
 
 
@@ -532,7 +533,7 @@ def test_no_git_is_needed(tree: Path, tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("PATH", str(tmp_path))  # no git on PATH; the tree is no repository
     assert freshness.stale(results, tree) == []
     write(tree, "examples/gpt.py", "v2\n")  # every benchmark of the example's GPT
-    not_gpt = {"scale", "lora", "mixed", "tp"}
+    not_gpt = {"scale", "lora", "mixed", "tp", "pipeline"}
     every = {*summary.FILES, *summary.SLOW}
     assert stale_names(freshness.stale(results, tree)) == every - not_gpt
 

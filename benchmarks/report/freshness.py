@@ -72,6 +72,14 @@ MEASURES: dict[str, tuple[str, ...]] = {
     # tensor parallelism against DTensor TP and FSDP2 + TP on torch's test Transformer (torch's
     # own model: not hashed, as torch is not), every mode over a (dp, tp) mesh
     "tp": ("benchmarks/bench_tp.py", *_ALL_MODES, "benchmarks/_common.py"),
+    # pipelines (torchshard/_pipeline) of replicated and shard=True stages, against torch's own
+    # pipelining and FSDP2 per stage, on a model of the script's own
+    "pipeline": (
+        "benchmarks/bench_pipeline.py",
+        "torchshard/_pipeline",
+        *_BUCKET_MODES,
+        "benchmarks/_common.py",
+    ),
     # SLOW (about 12 minutes): the example's whole runs, without checkpoints (--ckpt-dir '').
     # What it certifies is each comm's effect on the loss, so it holds the comms' own path
     # (the choices, the bucket comms, the reducer that drives them, the buckets they cut)

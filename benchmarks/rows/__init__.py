@@ -6,7 +6,7 @@ A new benchmark adds its module here and its rows to :data:`ROWS`, in table orde
 
 from __future__ import annotations
 
-from . import checkpoint, comm, flat, full, hsdp, lora, mixed, scale, sharded, tp, trainer
+from . import checkpoint, comm, flat, full, hsdp, lora, mixed, pipeline, scale, sharded, tp, trainer
 
 ROWS = (
     *flat.ROWS,
@@ -15,6 +15,7 @@ ROWS = (
     *full.ROWS,
     *hsdp.ROWS,
     *tp.ROWS,
+    *pipeline.ROWS,
     *comm.ROWS,
     *checkpoint.ROWS,
     *lora.ROWS,
