@@ -73,6 +73,7 @@ def test_a_pp_that_does_not_fit_exits_on_every_rank(flags, says):
         assert "SystemExit" in text and says in text, text
 
 
+@pytest.mark.slow
 def test_train_gpt_pp2_resumes_at_another_pipeline_degree(tmp_path):
     """Saved at (pp 2, dp 2) at step 4: resumed at (pp 2, dp 2) it ends bitwise as the
     uninterrupted run; at pp 1 (a plain trainer over 2 ranks) and pp 4 it logs the same
