@@ -286,10 +286,18 @@ CHECKPOINT = {  # reads the TrainState protocol (in _target, _stripes), never th
         "checkpoint._format",
         "checkpoint._optim",
         "checkpoint._plan",
+        "checkpoint._pp_commit",
         "checkpoint._pp_plan",
         "checkpoint._share",
         "checkpoint._target",
         "checkpoint._tp_save",
+    },
+    "checkpoint._pp_commit": {
+        "_dist",
+        "_errors",
+        "checkpoint._format",
+        "checkpoint._rendezvous",
+        "checkpoint._share",
     },
     "checkpoint._pp_load": {
         "_dist",

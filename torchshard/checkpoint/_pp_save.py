@@ -10,14 +10,15 @@ as a tensor-parallel save does (``_tp_save``): nothing crosses stages. ``metadat
 records the whole layout; the optimizer's param groups merged by index, with the
 parameters by global name in slot order; scalar state per global slot; and an optional
 ``"pipeline"`` key (degrees, modules, owned slots, tiles, ties) that loading does not
-need. The save is synchronous; the ranks meet by collectives over the pipeline's group.
+need. Every collective runs in the caller's thread, and what each rank writes is copied to
+host tensors of its own before ``save_pp`` returns; the files are written and committed in
+the writer's thread, the ranks meeting through the store (``_pp_commit``), as a trainer's.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,10 @@ from .._dist import exchange_bytes
 from .._errors import CheckpointError
 from .._flat.hf import transformers_config
 from .._flat.layout import FlatLayout
-from ._format import build_metadata, commit, model_file, prepare, rotate, step_dir, tmp_dir
+from ._format import build_metadata, model_file, step_dir
 from ._optim import OptimizerView, merge_scalars
 from ._plan import SharePlan, overlap, stored_parts
+from ._pp_commit import meeting, side_of, write_commit
 from ._pp_plan import (
     by_name,
     pipeline_targets,
@@ -185,9 +187,13 @@ def save_pp(
     keep_last: int | None,
     frozen: bool,
     write: Callable[[int, int, Share, Path], dict[str, Any]],
-) -> concurrent.futures.Future[Path]:
-    """Save a pipeline's checkpoint as its one-process picture (see the module docstring);
-    ``write(q, Q, share, tmp)`` writes one share's files and returns their records."""
+    timeout: float,
+    silence: float,
+) -> Callable[[], Path]:
+    """Stage a pipeline's checkpoint as its one-process picture (see the module docstring):
+    every collective now, every rank's shares copied to host; returns the writer thread's
+    part (``_pp_commit``). ``write(q, Q, share, tmp)`` writes one share's files and returns
+    their records."""
     stages = pipeline_targets(pipe, optimizer)
     for k, t, _ in stages:
         kept = getattr(t.trainer, "comm_state", None)
@@ -208,7 +214,9 @@ def save_pp(
         {"k": k, "d": t.rank, "optim": s, "buffers": sorted(t.buffers())}
         for (k, t, _), s in zip(stages, sections)
     ]
-    replies = _agree(pipe, t0, {"stages": mine})
+    me = _rank(pipe)
+    replies = _agree(pipe, t0, {"stages": mine, **meeting(pipe, me)})
+    side, seq = side_of(replies, me)
     every = sorted((s["k"], s["d"], s) for r in replies for s in r["stages"])
     optim_meta = (
         _merge_optim([s["optim"] for _, d, s in every if d == 0]) if optimizer is not None else None
@@ -217,11 +225,10 @@ def save_pp(
     for k, _, s in every:
         for name in s["buffers"]:
             holder.setdefault(name, k)
-    path, tmp, g = step_dir(root, step), tmp_dir(root, step), stages[0][1]
-    me = _rank(pipe)
-    buffer_bytes, records, error = 0, {}, None
+    path = step_dir(root, step)
+    meta, buffer_bytes, error = None, 0, None
     shares: list[tuple[int, Share]] = []
-    try:
+    try:  # the staging: host copies of what this rank writes (the next step changes none)
         for (k, t, _), view in zip(stages, views):
             q = k * dp + t.rank
             share = _share(whole, k, t, view, q, q_all, owned[k], tiles[k], frozen)
@@ -231,49 +238,56 @@ def save_pp(
                         share.weights.append((name, b.detach().to("cpu", copy=True)))
             shares.append((q, share))
         if me == 0:
-            prepare(root, tmp, path)
+            meta, buffer_bytes = _metadata(
+                pipe, whole, tiles, q_all, step, optim_meta, extra, frozen
+            )
+            meta["weights"]["buffers"] = {n: model_file(k * dp, q_all) for n, k in holder.items()}
     except (CheckpointError, OSError) as e:
         error = f"{path}: {e}"
-    _agree(pipe, g, {"error": error})
-    try:
-        for q, share in shares:
-            records.update(write(q, q_all, share, tmp))
-    except (CheckpointError, OSError) as e:
-        records, error = {}, f"writing {tmp}: {e}"
-    try:
-        replies = _agree(pipe, g, {"error": error, "files": records})
-    except CheckpointError:
-        if me == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    error = None
-    if me == 0:
-        files = {k: v for reply in replies for k, v in reply["files"].items()}
-        whole_buffers = {
-            n: b
-            for n, b in pipe.whole.state_dict(keep_vars=True).items()
-            if n not in by_name(whole) and isinstance(b, torch.Tensor)
-        }
-        buffer_bytes = sum(b.numel() * b.element_size() for b in whole_buffers.values())
-        config = transformers_config(pipe.whole, whole.dtypes[0])
-        meta = build_metadata(whole, q_all, step, [], optim_meta, extra, config, frozen)
-        shards, optim_files = weight_shards(whole, owned, dp)
-        meta["weights"]["shards"] = shards
-        meta["weights"]["buffers"] = {n: model_file(k * dp, q_all) for n, k in holder.items()}
-        if meta["optimizer"] is not None and meta["optimizer"]["files"]:
-            meta["optimizer"]["files"] = optim_files
-        meta["pipeline"] = _section(pipe, whole, tiles)
-        try:
-            commit(tmp, path, meta, files, buffer_bytes)
-            if keep_last is not None:
-                rotate(root, keep_last, keep=path)
-        except (CheckpointError, OSError) as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = f"committing {path}: {e}"
-    _agree(pipe, g, {"error": error})
-    done: concurrent.futures.Future[Path] = concurrent.futures.Future()
-    done.set_result(path)
-    return done
+    _agree(pipe, t0, {"error": error})
+    return functools.partial(
+        write_commit,
+        side,
+        seq,
+        root,
+        path,
+        step,
+        shares,
+        q_all,
+        write,
+        meta,
+        buffer_bytes,
+        keep_last,
+        timeout,
+        silence,
+    )
+
+
+def _metadata(
+    pipe: PipelineState,
+    whole: FlatLayout,
+    tiles: list[tuple[int, int]],
+    q_all: int,
+    step: int,
+    optim_meta: dict[str, Any] | None,
+    extra: dict[str, Any],
+    frozen: bool,
+) -> tuple[dict[str, Any], int]:
+    """Rank 0's ``metadata.json`` (but its ``"files"``) and the module buffers' bytes."""
+    whole_buffers = {
+        n: b
+        for n, b in pipe.whole.state_dict(keep_vars=True).items()
+        if n not in by_name(whole) and isinstance(b, torch.Tensor)
+    }
+    buffer_bytes = sum(b.numel() * b.element_size() for b in whole_buffers.values())
+    config = transformers_config(pipe.whole, whole.dtypes[0])
+    meta = build_metadata(whole, q_all, step, [], optim_meta, extra, config, frozen)
+    shards, optim_files = weight_shards(whole, list(pipe.plan.owned), pipe.dp_size)
+    meta["weights"]["shards"] = shards
+    if meta["optimizer"] is not None and meta["optimizer"]["files"]:
+        meta["optimizer"]["files"] = optim_files
+    meta["pipeline"] = _section(pipe, whole, tiles)
+    return meta, buffer_bytes
 
 
 def _section(pipe: PipelineState, whole: FlatLayout, tiles: list[tuple[int, int]]) -> dict:

@@ -157,11 +157,20 @@ class Writer:
                 if not seen:  # an error nobody has seen yet must not pass silently
                     raise CheckpointError(f"the previous checkpoint save failed: {e}") from e
         extra_json = check_save_args(step, extra)
-        if isinstance(obj, PipelineState):  # the whole model's files, now (_pp_save)
-            done = save_pp(
-                obj, Path(root), step, optimizer, extra_json, keep_last, frozen, _tp_files
+        if isinstance(obj, PipelineState):  # collectives and copies now, files in the thread
+            job = save_pp(
+                obj,
+                Path(root),
+                step,
+                optimizer,
+                extra_json,
+                keep_last,
+                frozen,
+                _tp_files,
+                self.timeout,
+                self.heartbeat_timeout,
             )
-            self._inflight = CheckpointFuture(done)
+            self._inflight = CheckpointFuture(self._pool.submit(job))
             return self._inflight
         target = Target(obj)
         if target.tp is not None:  # the files of the whole model, now (_tp)
@@ -384,8 +393,10 @@ def async_save(
 
     A tensor-parallel module (``tp_plan=``, ``init_mesh(tp=T)``) is saved as the whole
     model's files within this call, which returns a finished future (``docs/checkpoint-
-    format.md``, "Tensor parallelism"); so is a ``torchshard.Pipeline`` (with ``optimizer=``
-    its ``pipe.make_optimizer(...)``; "Pipelines").
+    format.md``, "Tensor parallelism"). A ``torchshard.Pipeline`` (with ``optimizer=`` its
+    ``pipe.make_optimizer(...)``; "Pipelines") is staged within this call too (every
+    collective, and a host copy of what this rank writes), its files written and committed
+    in the background as above.
 
     Example::
 
