@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from checkpoint_harness import flip_byte
@@ -31,10 +32,10 @@ def _held(gate: threading.Event):
     return slow
 
 
-def _async(root: Path) -> dict:
+def _async(root: Path, shard: bool) -> dict:
     torch.set_default_dtype(torch.float32)
     batches = _batches(4)
-    pipe = _pipe(2, shard=True)
+    pipe = _pipe(2, shard=shard)
     opt = pipe.make_optimizer(torch.optim.AdamW, lr=1e-2, foreach=False, groups=NO_DECAY)
     _train(pipe, opt, batches[:2])
     checkpoint.save(root / "sync", pipe, step=2, optimizer=opt)  # the oracle
@@ -52,7 +53,7 @@ def _async(root: Path) -> dict:
         _save._tp_files = write
     uninterrupted = _mine(pipe)
     pipe.close()
-    pipe = _pipe(2, seed=7, shard=True)  # load it, and go on to step 4
+    pipe = _pipe(2, seed=7, shard=shard)  # load it, and go on to step 4
     opt = pipe.make_optimizer(torch.optim.AdamW, lr=1e-2, foreach=False, groups=NO_DECAY)
     info = checkpoint.load(path, pipe, optimizer=opt)
     loaded = _mine(pipe)
@@ -73,8 +74,9 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(x, b[n]) for n, x in a.items())
 
 
-def test_async_save_writes_in_the_background_the_step_saved(tmp_path: Path) -> None:
-    got = run_distributed(_async, 4, tmp_path, timeout=300)
+@pytest.mark.parametrize("shard", [True, False])
+def test_async_save_writes_in_the_background_the_step_saved(tmp_path: Path, shard: bool) -> None:
+    got = run_distributed(_async, 4, tmp_path, shard, timeout=300)
     _same(_picture(tmp_path / "sync"), _picture(tmp_path / "async"))  # not step 4's bytes
     for rank in got:
         assert rank["pending"] and rank["step"] == 2
