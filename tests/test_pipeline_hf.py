@@ -196,3 +196,16 @@ def test_pipeline_llama_checkpoint_exports_for_from_pretrained(tmp_path) -> None
     for name, p in params.items():
         assert torch.equal(p, want[name]), name
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+def _bad_stage_forward() -> str:
+    try:
+        torchshard.Pipeline(llama(False), pp=2, microbatches=M, loss_fn=loss_fn, stage_forward=3)
+    except torchshard.PipelineError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_stage_forward_that_is_no_callable_is_named_on_every_rank() -> None:
+    for msg in run_distributed(_bad_stage_forward, 2, timeout=120):
+        assert msg.startswith("stage_forward: expected a callable"), msg

@@ -115,6 +115,7 @@ class Pipeline:
         world = dist.get_world_size(process_group)
         single = _check_args(pp, microbatches, world, schedule, shard, loss_fn)
         self.plan = _plan(model, stages, pp, single, stages_per_rank)
+        run = stage_forward_for(model, stage_forward)
         self.microbatches, self._world = microbatches, process_group
         self._sharded = shard is True
         self.whole = model  # the whole model, on meta: checkpoints record its layout and config
@@ -132,7 +133,6 @@ class Pipeline:
         self._last_rank = grid.last_rank()
         rng = torch.get_rng_state()  # every stage walks the whole model from the same state
         self.stages: list[StageHandle] = []
-        run = stage_forward_for(model, stage_forward)
         everywhere = parameterless_units(model) if run is hf_stage_forward else []
         for k, module, group in zip(
             mine, split_stages(model, self.plan, mine, everywhere), dp_groups
