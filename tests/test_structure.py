@@ -458,7 +458,8 @@ ROOT = {  # shared ground floor, and the tools above the wings
 }
 PIPELINE = {  # issue 26: a plan (pure) -> pruned stages -> torch's stage -> the runner
     "_pipeline.plan": {"_errors", "_flat.layout"},
-    "_pipeline.split": {"_pipeline.plan"},
+    "_pipeline.split": {"_flat.hf", "_pipeline.plan"},
+    "_pipeline.hf": {"_errors", "_flat.hf"},
     "_pipeline.stage": {"_parallel.trainer"},
     "_pipeline.grads": {"_flat.module", "_parallel.trainer", "_pipeline.runner"},
     "_pipeline.grid": {"_errors", "_pipeline.plan"},
@@ -480,6 +481,7 @@ PIPELINE = {  # issue 26: a plan (pure) -> pruned stages -> torch's stage -> the
         "_parallel.trainer",
         "_pipeline.grads",
         "_pipeline.grid",
+        "_pipeline.hf",
         "_pipeline.optim",
         "_pipeline.plan",
         "_pipeline.split",

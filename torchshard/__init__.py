@@ -25,6 +25,7 @@ from ._parallel.shards import LocalShards, MemoryStats
 from ._parallel.traffic import CommPlan, plan_comm
 from ._parallel.trainer import CommStats, DistributedTrainer
 from ._pipeline.cost import PipelineMemory, held_microbatches, plan_pipeline_memory
+from ._pipeline.hf import hf_stage_forward
 from ._pipeline.plan import StagePlan, plan_stages
 from ._pipeline.runner import Pipeline
 from ._pipeline.split import split_stages
@@ -71,6 +72,7 @@ __all__ = [
     "UnwrittenBufferError",
     "__version__",
     "held_microbatches",
+    "hf_stage_forward",
     "init_distributed",
     "init_mesh",
     "plan_comm",

@@ -56,7 +56,9 @@ def restore_declared_ties(model: nn.Module) -> list[tuple[str, str]]:
     broken = [
         (t, s)
         for t, s in _declared_ties(model).items()
-        if _get(model, t) is not None and _get(model, t) is not _get(model, s)
+        if _get(model, t) is not None
+        and _get(model, s) is not None  # a pipeline stage may hold one end only
+        and _get(model, t) is not _get(model, s)
     ]
     if not broken:
         return []

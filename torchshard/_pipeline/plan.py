@@ -13,7 +13,14 @@ from torch import nn
 from .._errors import PipelineError
 from .._flat.layout import FlatLayout
 
-__all__ = ["StagePlan", "Tie", "plan_stages", "stage_units"]
+__all__ = [
+    "StagePlan",
+    "Tie",
+    "layer_list",
+    "parameterless_units",
+    "plan_stages",
+    "stage_units",
+]
 
 
 @dataclass(frozen=True)
@@ -61,16 +68,52 @@ class StagePlan:
         return tuple(range(pp_rank, self.num_stages, self.pp))
 
 
+def layer_list(model: nn.Module) -> str | None:
+    """The name of ``model``'s layer list, wherever it lies: the non-empty ``ModuleList``
+    holding the most parameters (GPT's ``blocks``, a Llama's ``model.layers``), as the fully
+    sharded mode finds its units; ``None`` without one."""
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return None
+    return max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))[0]
+
+
+def _lists(model: nn.Module) -> set[str]:
+    """The lists a split cuts inside: every top-level ``ModuleList`` and the layer list."""
+    out = {n for n, c in model.named_children() if isinstance(c, nn.ModuleList)}
+    deep = layer_list(model)
+    return out | {deep} if deep else out
+
+
 def stage_units(model: nn.Module) -> list[str]:
     """The names a split may cut between, in model order: each child of a top-level
-    ``ModuleList``, every other top-level child, every root-level parameter."""
-    units: list[str] = [n for n, _ in model.named_parameters(recurse=False)]
-    for name, child in model.named_children():
-        if isinstance(child, nn.ModuleList):
-            units += [f"{name}.{i}" for i, _ in child.named_children()]
-        else:
-            units.append(name)
+    ``ModuleList`` and of the layer list (:func:`layer_list`, e.g. ``model.layers.3``),
+    every other child of the modules on the way to a list, and their own parameters."""
+    lists = _lists(model)
+    units: list[str] = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        units.extend(prefix + n for n, _ in module.named_parameters(recurse=False))
+        for name, child in module.named_children():
+            fqn = prefix + name
+            if fqn in lists:
+                units.extend(f"{fqn}.{i}" for i, _ in child.named_children())
+            elif any(_under(x, fqn) for x in lists):
+                walk(child, fqn + ".")
+            else:
+                units.append(fqn)
+
+    walk(model, "")
     return units
+
+
+def parameterless_units(model: nn.Module) -> list[str]:
+    """The :func:`stage_units` that hold no parameter (a rotary embedding's module: buffers
+    only), which a stage forward for transformers models keeps on every stage."""
+    known = dict(model.named_modules())
+    return [
+        u for u in stage_units(model) if u in known and next(known[u].parameters(), None) is None
+    ]
 
 
 def plan_stages(
@@ -117,7 +160,7 @@ def plan_stages(
 
 def _named(model: nn.Module, stages: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
     known = dict(model.named_modules(remove_duplicate=False))
-    params = {n for n, _ in model.named_parameters(recurse=False)}
+    params = set(stage_units(model)) - set(known)  # the parameters a split may name
     out = []
     for k, names in enumerate(stages):
         if isinstance(names, str) or not isinstance(names, (list, tuple)):
@@ -160,11 +203,10 @@ def _auto(model: nn.Module, layout: FlatLayout, n: int) -> list[tuple[str, ...]]
 
 
 def _groups(model: nn.Module) -> list[list[str]]:
-    """:func:`stage_units`, the units before the first ``ModuleList`` child joined into one
+    """:func:`stage_units`, the units before the first list's children joined into one
     group and those after the last joined into another (each unit alone without a list)."""
-    units = stage_units(model)
-    lists = {n for n, c in model.named_children() if isinstance(c, nn.ModuleList)}
-    inner = [i for i, u in enumerate(units) if u.split(".")[0] in lists]
+    units, lists = stage_units(model), _lists(model)
+    inner = [i for i, u in enumerate(units) if any(_under(u, x) for x in lists)]
     if not inner:
         return [[u] for u in units]
     lo, hi = inner[0], inner[-1] + 1

@@ -21,8 +21,9 @@ from .._parallel.seam import CommStats
 from .._parallel.trainer import DistributedTrainer
 from .grads import global_norm_, tie_grads, tie_weights
 from .grid import Grid
+from .hf import hf_stage_forward, set_stage_forward, stage_forward_for
 from .optim import PipelineOptimizer
-from .plan import StagePlan, plan_stages
+from .plan import StagePlan, parameterless_units, plan_stages
 from .split import split_stages, whole_order_init
 from .stage import FlatStage, StageModule
 
@@ -73,6 +74,9 @@ class Pipeline:
         process_group: the ranks of the pipeline (default: the world).
         mesh: instead of ``pp=``: ``torchshard.init_mesh(pp=P)`` (pp outermost; each
             pipeline rank's data-parallel ranks run its stages).
+        stage_forward: ``(stage_module, *inputs) -> output``, run instead of the pruned
+            model's own forward (default: :func:`hf_stage_forward` for a transformers
+            decoder, which also keeps its parameterless modules on every stage).
         trainer_kwargs: passed to each stage's :class:`DistributedTrainer`.
 
     Example::
@@ -102,6 +106,7 @@ class Pipeline:
         init_fn: Callable[[nn.Module], None] | None = None,
         process_group: dist.ProcessGroup | None = None,
         mesh: Mesh | None = None,
+        stage_forward: Callable[..., Any] | None = None,
         **trainer_kwargs: Any,
     ) -> None:
         if process_group is None:
@@ -110,6 +115,7 @@ class Pipeline:
         world = dist.get_world_size(process_group)
         single = _check_args(pp, microbatches, world, schedule, shard, loss_fn)
         self.plan = _plan(model, stages, pp, single, stages_per_rank)
+        run = stage_forward_for(model, stage_forward)
         self.microbatches, self._world = microbatches, process_group
         self._sharded = shard is True
         self.whole = model  # the whole model, on meta: checkpoints record its layout and config
@@ -127,8 +133,13 @@ class Pipeline:
         self._last_rank = grid.last_rank()
         rng = torch.get_rng_state()  # every stage walks the whole model from the same state
         self.stages: list[StageHandle] = []
-        for k, module, group in zip(mine, split_stages(model, self.plan, mine), dp_groups):
+        everywhere = parameterless_units(model) if run is hf_stage_forward else []
+        for k, module, group in zip(
+            mine, split_stages(model, self.plan, mine, everywhere), dp_groups
+        ):
             torch.set_rng_state(rng)
+            if run is not None:
+                set_stage_forward(module, run)
             fm = FlatParamModule(module, dtype=dtype)
             trainer = DistributedTrainer(
                 fm,

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from .._flat.hf import clear_init_flags, init_transformers_model, is_transformers_model
 from .plan import StagePlan
 
 __all__ = ["SparseModuleList", "split_stages", "whole_order_init"]
@@ -35,12 +36,16 @@ class SparseModuleList(nn.ModuleList):
         return len(self._modules)
 
 
-def split_stages(model: nn.Module, plan: StagePlan, indices: Sequence[int]) -> list[nn.Module]:
+def split_stages(
+    model: nn.Module, plan: StagePlan, indices: Sequence[int], everywhere: Sequence[str] = ()
+) -> list[nn.Module]:
     """Pruned deep copies of ``model`` (meta), one per stage index in ``indices``.
 
     Modules keep their names: a kept ``ModuleList`` child keeps its index (a
     :class:`SparseModuleList`, empty when the stage keeps none of its children), a pruned
-    plain child becomes ``None``, a pruned root parameter too. Parameters shared inside the copy stay shared.
+    plain child becomes ``None``, a pruned root parameter too. Parameters shared inside the
+    copy stay shared. ``everywhere``: modules every stage keeps besides its own (those
+    without parameters a stage forward needs, e.g. a rotary embedding).
 
     Example::
 
@@ -50,7 +55,7 @@ def split_stages(model: nn.Module, plan: StagePlan, indices: Sequence[int]) -> l
     out = []
     for k in indices:
         stage = copy.deepcopy(model)
-        _prune(stage, "", plan.modules[k])
+        _prune(stage, "", (*plan.modules[k], *everywhere))
         out.append(stage)
     return out
 
@@ -87,7 +92,7 @@ def whole_order_init(
 
     Walks ``whole`` (on meta) in the one-process order: ``fn`` like ``nn.Module.apply``
     (children first), or without ``fn`` each module's ``reset_parameters()`` (parents
-    first, as :meth:`FlatParamModule.init_weights` does). Around each call the module's and
+    first, as :meth:`FlatParamModule.init_weights` does; a transformers model its own way). Around each call the module's and
     its direct children's parameters and buffers are real: the stage's own tensors where
     the stage holds that name, scratch tensors elsewhere. So every rank draws the whole
     model's random numbers in the same order from the same seed and keeps what its stage
@@ -126,11 +131,28 @@ def whole_order_init(
         for m in _post_order(whole):
             call(m, fn)
     else:
-        seen: set[int] = set()
-        for m in whole.modules():  # pre-order, each once
-            if id(m) not in seen and callable(getattr(m, "reset_parameters", None)):
-                seen.add(id(m))
-                call(m, lambda x: x.reset_parameters())
+        clear_init_flags(whole)  # transformers marks what it initialized, even on meta
+        try:
+            _own_way(whole, call, set())
+        finally:
+            clear_init_flags(whole)
+
+
+def _own_way(m: nn.Module, call: Callable[..., None], seen: set[int]) -> None:
+    """``FlatParamModule.init_weights``' default walk (pre-order, each module once): a
+    transformers model initializes its subtree its own way (its ``_init_weights`` per
+    module, each call through ``call``), any other module with ``reset_parameters()``
+    resets itself."""
+    if id(m) in seen:
+        return
+    seen.add(id(m))
+    if is_transformers_model(m):
+        init_transformers_model(m, whole=call)
+        return
+    if callable(getattr(m, "reset_parameters", None)):
+        call(m, lambda x: x.reset_parameters())
+    for c in m.children():
+        _own_way(c, call, seen)
 
 
 def _scratch(t: torch.Tensor) -> torch.Tensor:
