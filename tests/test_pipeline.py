@@ -8,9 +8,9 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from gpt import GPT, GPTConfig, init_gpt_weights
 from multiprocess import run_distributed
+from pipeline_models import gpt_loss, meta_gpt
 from torch import nn
 
 import torchshard
@@ -21,16 +21,10 @@ M = 4  # microbatches
 
 
 def _meta(tied: bool) -> GPT:
-    with torch.device("meta"):
-        model = GPT(CFG)
-        if not tied:
-            model.lm_head.weight = nn.Parameter(torch.empty(CFG.vocab_size, CFG.n_embd))
-    return model
+    return meta_gpt(CFG, tied)
 
 
-def _loss(out: object, y: torch.Tensor) -> torch.Tensor:
-    logits = out[0] if isinstance(out, tuple) else out
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+_loss = gpt_loss
 
 
 def _batches(steps: int, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -9,10 +9,9 @@ import weakref
 
 import pytest
 import torch
-import torch.nn.functional as F
 from gpt import GPT, GPTConfig, init_gpt_weights
 from multiprocess import run_distributed
-from torch import nn
+from pipeline_models import gpt_loss, meta_gpt
 
 import torchshard
 
@@ -21,16 +20,10 @@ M = 4  # microbatches
 
 
 def _meta(tied: bool) -> GPT:
-    with torch.device("meta"):
-        model = GPT(CFG)
-        if not tied:
-            model.lm_head.weight = nn.Parameter(torch.empty(CFG.vocab_size, CFG.n_embd))
-    return model
+    return meta_gpt(CFG, tied)
 
 
-def _loss(out: object, y: torch.Tensor) -> torch.Tensor:
-    logits = out[0] if isinstance(out, tuple) else out
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+_loss = gpt_loss
 
 
 def _batch(m: int = M) -> tuple[torch.Tensor, torch.Tensor]:
