@@ -85,12 +85,7 @@ def _check_compatible(meta: Metadata, t: Target, optimizer: torch.optim.Optimize
     check_plan(meta, t)
     if optimizer is None:
         return
-    saved = meta.optim
-    if saved is None:
-        raise CheckpointError(f"{meta.path}: holds no optimizer state; load with optimizer=None")
-    cls = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-    if saved.cls != cls:
-        raise CheckpointError(f"{meta.path}: optimizer: checkpoint has {saved.cls}, got {cls}")
+    saved = meta.optim_for(optimizer)
     view = OptimizerView.of(optimizer, t)
     groups = saved.param_groups
     if len(groups) != len(optimizer.param_groups):

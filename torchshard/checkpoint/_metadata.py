@@ -219,6 +219,24 @@ class Metadata:
     index: dict[str, Any] | None = None  # size and SHA-256 of model.safetensors.index.json
     comm: CommMeta | None = None  # a lossy comm's state (format 5), when saved with one
 
+    def optim_for(self, optimizer: torch.optim.Optimizer) -> OptimMeta:
+        """The saved optimizer section, checked to be of ``optimizer``'s class.
+
+        Example::
+
+            saved = meta.optim_for(opt)   # CheckpointError: no state, or another class
+        """
+        if self.optim is None:
+            raise CheckpointError(
+                f"{self.path}: holds no optimizer state; load with optimizer=None"
+            )
+        cls = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        if self.optim.cls != cls:
+            raise CheckpointError(
+                f"{self.path}: optimizer: checkpoint has {self.optim.cls}, got {cls}"
+            )
+        return self.optim
+
     def file_path(self, name: str) -> Path:
         return self.path / name
 

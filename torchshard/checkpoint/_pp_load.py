@@ -125,12 +125,7 @@ def _narrow(
     stage's parameters by its names, scalar state and ``stateful`` by its slots."""
     if optimizer is None:
         return meta
-    saved = meta.optim
-    if saved is None:
-        raise CheckpointError(f"{meta.path}: holds no optimizer state; load with optimizer=None")
-    cls = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-    if saved.cls != cls:
-        raise CheckpointError(f"{meta.path}: optimizer: checkpoint has {saved.cls}, got {cls}")
+    saved = meta.optim_for(optimizer)
     view = OptimizerView.of(optimizer, t)
     if len(saved.param_groups) != len(view.group_names):
         raise CheckpointError(
