@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from .._dist import init_distributed, set_data_parallel
 from .._errors import PipelineError
@@ -25,7 +24,13 @@ from .hf import hf_stage_forward, set_stage_forward, stage_forward_for
 from .optim import PipelineOptimizer
 from .plan import StagePlan, parameterless_units, plan_stages
 from .split import split_stages, whole_order_init
-from .stage import FlatStage, StageModule
+
+if TYPE_CHECKING:
+    from .stage import FlatStage
+
+# torch.distributed.pipelining (with the stage class that subclasses it) is imported where a
+# Pipeline is built: it imports torch._dynamo and DTensor, about 1.5 s of CPU that every
+# `import torchshard` (each torchrun rank) would pay otherwise.
 
 __all__ = ["Pipeline", "StageHandle"]
 
@@ -148,6 +153,8 @@ class Pipeline:
                 init_fn=_whole_init(model, module, init_fn),
                 **trainer_kwargs,
             )
+            from .stage import FlatStage, StageModule
+
             stage = FlatStage(
                 StageModule(fm), k, self.plan.num_stages, trainer.device, group=self._pp_group
             )
@@ -156,6 +163,8 @@ class Pipeline:
             # in backward (replicated stages sum the means after it and keep the overlap)
             stage.hold = shard is True and any(k in (t.owner, t.holder) for t in self.plan.ties)
             self.stages.append(StageHandle(k, fm, trainer, stage))
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
         cls, scaled = get_schedule_class(schedule), _scaled(loss_fn, microbatches)
         runs = self.stages[0].stage if single else [h.stage for h in self.stages]
         try:
@@ -378,4 +387,6 @@ def _check_args(pp: Any, m: Any, world: int, schedule: Any, shard: Any, loss_fn:
         )
     if not callable(loss_fn):
         raise PipelineError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
     return issubclass(get_schedule_class(schedule), PipelineScheduleSingle)
