@@ -1,26 +1,30 @@
-"""Standard safetensors files, written from staged host memory.
+"""Standard safetensors files, written from host memory.
 
-The writer streams each tensor's bytes straight from its (CPU) memory in
-large writes (no serialized copy of the file), computing per-chunk CRC32s on
-the way, and fsyncs; ``_safetensors`` reads them back by byte range.
+The writer streams each tensor's bytes from its (CPU) memory, computing
+per-chunk CRC32s on the way, and fsyncs; ``_safetensors`` reads them back by
+byte range.
 
-Two things keep a save near the disk's speed (``benchmarks/bench_checkpoint.py``):
-a large block's CRC32 runs on a second thread while ``write`` copies the same
-block into the page cache (both release the GIL), and on Linux the kernel is
-asked to start writing each 8 MiB back as soon as it is written
-(``sync_file_range``), so the disk works while the CPU checksums and copies
-the next blocks instead of after the last one, in ``fsync``.
+A checkpoint save (blocking or staged: nothing changes the bytes under it)
+goes around the page cache where the filesystem allows (``O_DIRECT``): the
+bytes pass through one half of a page-aligned :class:`DirectBlock`, are
+checksummed there while in cache, and go to the disk from it while the other
+half fills. Copying into the page cache is most of what a buffered write costs
+in CPU (and the kernel may charge the writer its writeback too), and on a busy
+machine that CPU comes out of training: ``benchmarks/bench_checkpoint.py``.
+The copies are ``memmove`` calls, not ``Tensor.copy_``, whose intra-op
+threads would spin through every write.
 
-A background save (staged: nothing changes its bytes under it) goes around the
-page cache instead, where the filesystem allows (``O_DIRECT``): the file's bytes
-pass through one page-aligned :class:`DirectBlock`, checksummed there while in
-cache, and go to the disk from it. Copying into the page cache is what a write
-costs in CPU, and on a busy machine that CPU comes out of training.
+Where direct I/O is refused (a tmpfs), and for writers without a block, the
+bytes go through the page cache: a large block's CRC32 runs on a second
+thread while ``write`` copies it (both release the GIL), and on Linux the
+kernel is asked to start writing each 8 MiB back as soon as it is written
+(``sync_file_range``), so the disk works while the CPU copies the next ones.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import errno
 import json
@@ -60,47 +64,82 @@ if _O_DIRECT:
 
 
 class DirectBlock:
-    """A page-aligned host block that a file's bytes pass through on their way to the disk
-    with ``O_DIRECT``; one per writer thread, reused by every file it writes.
+    """Two page-aligned host blocks that a file's bytes pass through on their way to the
+    disk with ``O_DIRECT``: one fills (copy, checksum) while a helper thread writes the
+    other. One per writer thread, reused by every file it writes; :meth:`close` ends the
+    helper thread.
 
     Example::
 
         block = DirectBlock()
         write_safetensors(path, tensors, direct=block)
+        block.close()
     """
 
-    def __init__(self, nbytes: int = 16 * 2**20) -> None:
+    def __init__(self, nbytes: int = 8 * 2**20) -> None:
         assert nbytes % _ALIGN == 0
-        raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
+        raw = torch.empty(2 * nbytes + _ALIGN, dtype=torch.uint8)
         start = -raw.data_ptr() % _ALIGN
-        self.tensor = raw[start : start + nbytes]
-        self.bytes = bytes_of(self.tensor)
+        self.halves = (raw[start : start + nbytes], raw[start + nbytes : start + 2 * nbytes])
+        self.views = tuple(bytes_of(h) for h in self.halves)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, "torchshard-direct")
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 class _Direct:
-    """A file written in whole aligned blocks through a :class:`DirectBlock`."""
+    """A file written in whole aligned blocks through a :class:`DirectBlock`: while one half
+    fills, the other is written; at most one write is in flight, so the file grows in order."""
 
     def __init__(self, fd: int, block: DirectBlock) -> None:
-        self.fd, self.block, self.fill, self.pos = fd, block, 0, 0
+        self.fd, self.block, self.fill, self.pos, self.half = fd, block, 0, 0, 0
+        self._writing: concurrent.futures.Future | None = None
 
     def room(self) -> int:
-        return self.block.tensor.numel() - self.fill
+        return self.block.halves[self.half].numel() - self.fill
 
-    def flush(self) -> None:
-        """Write what the block holds (a whole number of aligned units: the last one padded;
-        the caller truncates the file to its size)."""
+    def address(self) -> int:
+        """Where the next byte goes in the half that fills."""
+        return self.block.halves[self.half].data_ptr() + self.fill
+
+    def view(self, start: int, stop: int) -> memoryview:
+        return self.block.views[self.half][start:stop]
+
+    def flush(self, wait: bool = False) -> None:
+        """Hand the filled half to the helper thread (a whole number of aligned units: the last
+        one padded; the caller truncates the file to its size) and fill the other one."""
         n = -(-self.fill // _ALIGN) * _ALIGN
-        self.block.tensor[self.fill : n].zero_()
-        data = self.block.bytes[:n]
+        ctypes.memset(self.address(), 0, n - self.fill)
+        data, at = self.view(0, n), self.pos
+        self.wait()  # the other half is free, and the file gets its bytes in order
+        self._writing = self.block.submit(self._write, data, at)
+        self.pos, self.fill, self.half = self.pos + n, 0, 1 - self.half
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the write in flight; raise its error."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.result()
+
+    def _write(self, data: memoryview, at: int) -> None:
         while len(data):
             try:
-                done = os.pwrite(self.fd, data, self.pos)
+                done = os.pwrite(self.fd, data, at)
             except OSError as e:  # direct I/O refused after all: through the page cache
                 if e.errno != errno.EINVAL or not _buffered(self.fd):
                     raise
                 continue
-            data, self.pos = data[done:], self.pos + done
-        self.fill = 0
+            data, at = data[done:], at + done
 
 
 def _buffered(fd: int) -> bool:
@@ -222,10 +261,15 @@ class SafetensorsWriter:
         n, at = (src if isinstance(src, int) else src.numel()), 0
         while at < n:
             take = min(n - at, out.room())
-            dst = out.block.tensor[out.fill : out.fill + take]
-            dst.zero_() if isinstance(src, int) else dst.copy_(src[at : at + take])
+            # ctypes, not Tensor.copy_/zero_: those fan out over the intra-op thread pool, whose
+            # OpenMP threads then spin through each block's write (0.4 CPU-s per GB measured
+            # with 2 threads), and from a writer thread they compete with training for cores
+            if isinstance(src, int):
+                ctypes.memset(out.address(), 0, take)
+            else:
+                ctypes.memmove(out.address(), src.data_ptr() + at, take)
             if data:
-                self._checksum(out.block.bytes[out.fill : out.fill + take])
+                self._checksum(out.view(out.fill, out.fill + take))
             out.fill, at = out.fill + take, at + take
             if not out.room():
                 self._flush_direct()
@@ -299,7 +343,7 @@ class SafetensorsWriter:
         assert len(head) + self.data_size == self.size  # same length as the placeholder
         try:
             if self._direct is not None:  # the tail, padded; then the file to its size
-                self._direct.flush()
+                self._direct.flush(wait=True)
                 os.ftruncate(self._f.fileno(), self.size)
                 _buffered(self._f.fileno())  # the header is not a whole aligned block
             os.pwrite(self._f.fileno(), head, 0)
@@ -311,6 +355,9 @@ class SafetensorsWriter:
         return FileRecord(self.size, crc32(head))
 
     def close(self) -> None:
+        if self._direct is not None:  # a failed save: its last write ends before the file closes
+            with contextlib.suppress(OSError):
+                self._direct.wait()
         self._f.close()
         if self._aside is not None:
             self._aside.shutdown()

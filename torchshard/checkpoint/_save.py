@@ -200,9 +200,9 @@ class Writer:
             self._copying = gpu.done  # what a failed writer may leave running
         if stage and optimizer is not None:
             self.fence(optimizer)
-        if stage and self._direct is None:
+        if self._direct is None:
             self._direct = DirectBlock()
-        direct = self._direct if stage else None  # staged bytes change under no one: direct I/O
+        direct = self._direct  # the bytes change under no one (staged, or the caller waits)
         future = self._pool.submit(
             self._write, target, device, share, root, seq, keep_last, staged, direct
         )
@@ -283,6 +283,8 @@ class Writer:
             self._fence.cuda = None
             self._copies_done()
             self.arena.release()
+            if self._direct is not None:
+                self._direct.close()
             self._direct = None
 
 
