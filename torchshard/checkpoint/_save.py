@@ -200,12 +200,16 @@ class Writer:
             self._copying = gpu.done  # what a failed writer may leave running
         if stage and optimizer is not None:
             self.fence(optimizer)
-        if self._direct is None:
+        # Direct I/O: the bytes change under no one (staged, or the caller waits). Staged saves
+        # reuse one block; a blocking save's own is freed with it (no host memory kept).
+        if stage and self._direct is None:
             self._direct = DirectBlock()
-        direct = self._direct  # the bytes change under no one (staged, or the caller waits)
+        direct = self._direct if stage else DirectBlock()
         future = self._pool.submit(
             self._write, target, device, share, root, seq, keep_last, staged, direct
         )
+        if not stage:
+            future.add_done_callback(lambda _: direct.close())
         result = CheckpointFuture(future)
         self._inflight = result
         return result
