@@ -41,7 +41,7 @@ DTYPES = {  # safetensors' dtype codes
 }
 _FROM_NAME = {v: k for k, v in DTYPES.items()}
 
-try:  # the same CRC-32, 4-5x faster than zlib's where ISA-L is installed (the `fast` extra)
+try:  # the same CRC-32, ~4x faster than zlib's: ISA-L, a dependency where it has a wheel
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # pragma: no cover - depends on the environment
     _crc32 = zlib.crc32
