@@ -169,3 +169,42 @@ def test_the_registry_readers_spell_no_mode():
                 assert not any(isinstance(c.value, bool) for c in consts), (
                     f"{path.name}:{node.lineno}: {ast.unparse(node)}"
                 )
+
+
+# -- a float64 model keeps float64 in the sharded modes -----------------------------------------
+def _float64(kw: dict) -> tuple[int, int, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    fm = FlatParamModule(Blocks(n=3).double())
+    trainer = DistributedTrainer(fm, **kw)
+    trainer.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    for _ in range(3):
+        x = torch.randn(4, 16, generator=g, dtype=torch.float64)
+        trainer.zero_grad()
+        trainer.module(x).pow(2).mean().backward()
+        trainer.step()
+    with trainer.gathered():
+        weights = [p.detach().clone() for p in trainer.module.parameters()]
+    stats = trainer.memory_stats(trainer.optimizer)
+    planned = torchshard.plan_memory(
+        fm.layout, world_size=2, shard=kw["shard"], units=trainer.units
+    )[torch.distributed.get_rank()]
+    trainer.close()
+    return stats.master, planned.master, weights
+
+
+def _float64_runs() -> dict[str, tuple[int, int, list[torch.Tensor]]]:
+    return {str(s): _float64({"shard": s}) for s in (False, True, "full")}
+
+
+def test_a_float64_model_keeps_float64_in_every_mode_by_default():
+    """The default master_dtype (float32) is for models below it: a float64 model's sharded
+    modes keep no float32 master (it would round the weights at every step; "full" would
+    hold its stripes in float32), and train like the replicated mode in float64."""
+    for runs in run_distributed(_float64_runs, 2, timeout=120):
+        replicated = runs["False"][2]
+        for shard in ("True", "full"):
+            master, planned, weights = runs[shard]
+            assert master == planned == 0, (shard, master, planned)
+            diff = max((a - b).abs().max().item() for a, b in zip(weights, replicated))
+            assert diff < 1e-12, (shard, diff)  # a float32 master rounds at every step

@@ -131,6 +131,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_flat.module",
         "_flat.views",
         "_parallel.comm",
+        "_parallel.footprint",
         "_parallel.seam",
     },
     # a trainer's teardown, in one order (the exit hook's too)

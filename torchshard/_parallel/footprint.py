@@ -32,6 +32,7 @@ __all__ = [
     "Slices",
     "Stripes",
     "Whole",
+    "master_dtype_for",
     "transient_bytes",
     "transient_of_sizes",
     "typed",
@@ -109,6 +110,21 @@ class Request:
         """The dtype the optimizer's state is kept in for parameters of ``dtype`` in the
         sharded modes: ``master_dtype``, in their own or in a master copy."""
         return self.master_dtype if dtype != self.master_dtype else dtype
+
+
+def master_dtype_for(layout: FlatLayout, master_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the sharded modes keep what the optimizer updates in: ``master_dtype``, or
+    the parameters' own where it is wider (a float64 model keeps float64: a master that
+    rounds the weights at every step would be a silent loss, not a copy).
+
+    Example::
+
+        master_dtype_for(fm.layout, torch.float32)   # torch.float64 for a float64 model
+    """
+    dtype = layout.torch_dtype
+    if layout.mixed or not dtype.is_floating_point or dtype.itemsize <= master_dtype.itemsize:
+        return master_dtype
+    return dtype
 
 
 def transient_bytes(

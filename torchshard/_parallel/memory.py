@@ -21,6 +21,7 @@ from .footprint import (
     PlanError,
     RankMemory,
     Request,
+    master_dtype_for,
     transient_bytes,
     transient_of_sizes,
 )
@@ -273,6 +274,8 @@ def asked(
         choice = choose(shard, strict=False, master_dtype=master_dtype, **loose)
     except ModeError as e:
         raise PlanError(str(e)) from e
+    if entry.master:  # what the trainer keeps: a float64 model keeps float64
+        choice = replace(choice, master_dtype=master_dtype_for(layout, choice.master_dtype))
     if not entry.gathers:
         return entry, entry.request(choice, optimizer)
     if units is None and getattr(choice, "units", "auto") != "auto":

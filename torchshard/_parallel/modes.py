@@ -76,7 +76,8 @@ class ShardOptimizer:
     """
 
     master_dtype: torch.dtype = torch.float32
-    """What the optimizer updates when the flat buffer's dtype is another (e.g. bf16)."""
+    """What the optimizer updates when the flat buffer's dtype is narrower (e.g. bf16); a
+    wider model (float64) keeps its own dtype, with no master."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +92,8 @@ class FullShard:
     """
 
     master_dtype: torch.dtype = torch.float32
-    """What the optimizer updates when the model's dtype is another (e.g. bf16)."""
+    """What the optimizer updates when the model's dtype is narrower (e.g. bf16); a wider
+    model (float64) keeps its own dtype, with no master."""
     units: UnitSpec = "auto"
     """The modules gathered one at a time: ``"auto"`` (a transformers model's
     ``_no_split_modules`` blocks, else each child of the largest ``nn.ModuleList``),

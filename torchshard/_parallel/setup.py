@@ -18,6 +18,7 @@ from .._flat.layout import FlatLayout
 from .._flat.module import FlatParamModule
 from .._flat.views import zero_gaps
 from .comm import Mesh1D
+from .footprint import master_dtype_for
 from .seam import Storage
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "native_mean",
     "pick_device",
     "plain_optimizer_refused",
+    "resolve_master_dtype",
 ]
 
 
@@ -281,6 +283,20 @@ def check_requires_grad(layout: FlatLayout, params: tuple[torch.nn.Parameter, ..
             "laid them out (gradients exist for the parameters that trained then); set "
             "requires_grad before wrapping"
         )
+
+
+def resolve_master_dtype(layout: FlatLayout, master_dtype: torch.dtype) -> torch.dtype:
+    """What a sharded mode keeps the optimizer's part in: ``master_dtype``, or the
+    parameters' own dtype where it is wider (:func:`master_dtype_for`), checked against a
+    layout of several dtypes (:func:`check_master_dtype`).
+
+    Example::
+
+        resolve_master_dtype(fm.layout, torch.float32)   # float64 for a float64 model
+    """
+    dtype = master_dtype_for(layout, master_dtype)
+    check_master_dtype(layout, dtype)
+    return dtype
 
 
 def check_master_dtype(layout: FlatLayout, master_dtype: torch.dtype) -> None:

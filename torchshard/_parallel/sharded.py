@@ -32,7 +32,7 @@ from .._flat.module import FlatParamModule
 from .buckets import Bucket
 from .comm import BucketComm, ReduceAcrossReplicas, ReduceToOwner
 from .mode import Context, Mode, Segment
-from .setup import check_master_dtype
+from .setup import resolve_master_dtype
 from .shards import LocalShards
 
 __all__ = ["ShardedOptimizer"]
@@ -68,7 +68,7 @@ class ShardedOptimizer(Mode):
         self.bytes_gathered = 0
 
     def prepare(self, fm: FlatParamModule) -> None:
-        check_master_dtype(fm.layout, self.master_dtype)
+        self.master_dtype = resolve_master_dtype(fm.layout, self.master_dtype)
         super().prepare(fm)
 
     def flat_numel(self, layout: FlatLayout, world_size: int) -> int:

@@ -87,6 +87,7 @@ class DistributedTrainer:
             its backward and freed after each (see :meth:`gathered`).
         master_dtype: sharded modes with a lower-precision flat buffer (e.g.
             bf16): the optimizer updates a copy of the rank's part in this dtype.
+            A wider model (float64) keeps its own dtype, with no master.
         units: ``shard="full"``: the modules gathered one at a time: ``"auto"``
             (a transformers model's ``_no_split_modules`` blocks, else each child
             of the largest ``nn.ModuleList``), module names or classes, or a

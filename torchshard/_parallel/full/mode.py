@@ -38,7 +38,7 @@ from ..._flat.module import FlatParamModule
 from ..buckets import Bucket
 from ..comm import Mesh1D
 from ..mode import Context, Mode, Segment
-from ..setup import check_master_dtype
+from ..setup import resolve_master_dtype
 from ..shards import LocalShards
 from ..units import Unit, UnitSpec, resolve_units
 from .collectives import UnitComm
@@ -96,7 +96,7 @@ class FullyShard(Mode):
     # -- construction ----------------------------------------------------------------------
     def prepare(self, fm: FlatParamModule) -> None:
         """Resolve the units (no tensors, no collective), before the ranks compare models."""
-        check_master_dtype(fm.layout, self.master_dtype)
+        self.master_dtype = resolve_master_dtype(fm.layout, self.master_dtype)
         self.units = resolve_units(fm.module, fm.layout, self.spec)
 
     def adopt(
