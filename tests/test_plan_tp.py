@@ -242,3 +242,26 @@ def test_dp2_tp2_is_its_plans_to_the_byte():
             tokens = B * T
             want = (t.forward * tokens, t.forward_calls, t.backward * tokens, t.backward_calls)
             assert r["traffic"] == [want] * 2, where
+
+
+def test_a_plan_of_module_names_plans_like_its_globs():
+    """The CLI passes a resolved plan, one literal module name per entry (562 for a
+    Llama-3-70B): it plans exactly as the globs it came from, and a literal name that names
+    no module still raises."""
+    from torchshard._flat.tp_plan import matches
+
+    with torch.device("meta"):
+        whole = FlatParamModule(GPT(CFG)).layout
+    modules = dict.fromkeys(n.rpartition(".")[0] for s in whole for n in s.names)
+    literal = {}
+    for glob, style in TP_PLAN.items():
+        for m in modules:
+            if m and matches(glob, m):
+                literal.setdefault(m, style)
+    assert len(literal) > len(TP_PLAN)  # the globs were expanded
+    for call in (plan_memory, plan_comm):
+        assert call(whole, 2, shard=True, tp=2, tp_plan=literal) == call(
+            whole, 2, shard=True, tp=2, tp_plan=TP_PLAN
+        )
+        with pytest.raises(PlanError, match=r"'blocks.0.nope' names no module"):
+            call(whole, 2, shard=True, tp=2, tp_plan={**literal, "blocks.0.nope": "colwise"})

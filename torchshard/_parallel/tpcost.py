@@ -40,13 +40,17 @@ def _styles(layout: FlatLayout, tp_plan: object) -> dict[str, str]:
     ):
         raise PlanError(f"tp_plan: expected a dict {{glob: style}}, got {tp_plan!r}")
     modules = list(dict.fromkeys(n.rpartition(".")[0] for s in layout for n in s.names))
+    known = set(modules)
     styles: dict[str, str] = {}
     for glob, style in tp_plan.items():
         try:
             split_of(style, "weight")  # a known style
         except Exception as e:
             raise PlanError(str(e)) from None
-        hit = [m for m in modules if m and matches(glob, m)]
+        if any(c in glob for c in "*?["):
+            hit = [m for m in modules if m and matches(glob, m)]
+        else:  # a module's own name (a resolved plan: one per module) names only it
+            hit = [glob] if glob and glob in known else []
         if not hit:
             shown = ", ".join(repr(m) for m in modules if m)
             raise PlanError(
