@@ -7,19 +7,25 @@ of the loss curves.
                                            [--plot benchmarks/comm-loss.png]
     python benchmarks/bench_convergence.py --plot-only     # redraw from the JSON
 
-Slow: every run is the example's whole run (300 steps), about a minute on the project's 2
-cores, and there are 15 (5 comms x 3 seeds): not part of ``run_all.py``'s 15 minutes. Its
-results are committed like the others, and ``summary.py --stale`` holds them against the
-code they ran; the cure is this command.
+Slow: every run is the example's whole run (300 steps), about 40 s on the project's 2
+cores, and there are 30 (6 comms and 4 in the control, x 3 seeds; 20 minutes): not part of
+``run_all.py``'s 15 minutes. Its results are committed like the others, and ``summary.py
+--stale`` holds them against the code they ran; the cure is this command.
 
 Each run is the README's command with a seed and a comm, nothing else changed:
 ``torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --seed S [--comm C]
 --ckpt-dir ''`` (no checkpoints, so no metrics file: the curve is read from the log, every 10
 steps the training loss as the example prints it, the mean over the ranks and the steps
 since the last line, to 4 decimals). The comms: ``dense`` (no ``--comm``: the default
-all-reduce), ``bf16``, ``powersgd:4`` (rank 4, dense for its first 10 steps),
-``topk:0.01`` and ``topk-noef:0.01`` (the same without error feedback: the ablation). The
-runs of a seed go one after the other, in an order rotated every seed.
+all-reduce), ``bf16``, ``powersgd:4`` (rank 4, dense for its first 10 steps), ``powersgd:8``
+(the same at rank 8: what a higher rank buys), ``topk:0.01`` and ``topk-noef:0.01`` (the
+same without error feedback: the ablation). The runs of a seed go one after the other, in
+an order rotated every seed.
+
+The control: ``dense``, ``powersgd:4``, ``topk:0.01`` and ``topk-noef:0.01`` again with
+``--optimizer sgd`` (momentum 0.9 at the example's lr for it, 0.1), the optimizer error
+feedback was analysed for: the same comparison, without targets. It separates what a comm
+loses from what AdamW's per-coordinate scaling makes of what the comm delivers.
 
 Per seed, each comm's final validation loss (the example's ``evaluate``: 4 fixed batches of
 the held-out 10%) relative to the dense run's of the same seed, in percent. Targets (issue
@@ -48,6 +54,7 @@ COMMS = {  # name: the example's --comm (None: the default, dense)
     "dense": None,
     "bf16": "bf16",
     "powersgd": "powersgd:4",
+    "powersgd8": "powersgd:8",
     "topk": "topk:0.01",
     "topk_noef": "topk-noef:0.01",
 }
@@ -55,10 +62,15 @@ LABELS = {
     "dense": "dense (all-reduce)",
     "bf16": "BF16",
     "powersgd": "PowerSGD(rank=4)",
+    "powersgd8": "PowerSGD(rank=8)",
     "topk": "TopK(0.01)",
     "topk_noef": "TopK(0.01), no error feedback",
 }
 TARGETS = {"bf16": 0.5, "powersgd": 2.0, "topk": 3.0}  # percent above dense's final loss
+# The control: the same runs under SGD with momentum (the example's --optimizer sgd, its
+# default lr 0.1), the optimizer error feedback was analysed for. No targets.
+CONTROL = ("dense", "powersgd", "topk", "topk_noef")
+CONTROL_ARGS = ("--optimizer", "sgd")
 STEP_LINE = re.compile(r"^step +(\d+) +loss (\S+)", re.M)
 VAL_LINE = re.compile(r"validation loss (\S+)")
 
@@ -72,11 +84,12 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def run_example(seed: int, comm: str | None, timeout: float) -> dict:
-    """One run of the example at 2 ranks: the logged losses, the final validation loss, its
-    wall time; or the error it ended with."""
+def run_example(seed: int, comm: str | None, timeout: float, extra: tuple[str, ...] = ()) -> dict:
+    """One run of the example at 2 ranks (``extra``: more of its arguments): the logged
+    losses, the final validation loss, its wall time; or the error it ended with."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", str(EXAMPLE), "--seed", str(seed), "--ckpt-dir", ""]  # fmt: skip
+    cmd += extra
     if comm is not None:
         cmd += ["--comm", comm]
     t0 = time.perf_counter()
@@ -141,7 +154,8 @@ def plot(results: dict, path: Path) -> Path | None:
         return None
     runs = results["runs"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6), gridspec_kw={"width_ratios": [3, 3, 2]})
-    colors = dict(zip(COMMS, ("black", "tab:blue", "tab:green", "tab:orange", "tab:red")))
+    colors = dict(zip(COMMS, ("black", "tab:blue", "tab:green", "tab:olive", "tab:orange",
+                              "tab:red")))  # fmt: skip
     for name, by_seed in runs.items():
         curves = [r["curve"] for r in by_seed.values() if "curve" in r]
         if not curves:
@@ -185,21 +199,28 @@ def plot(results: dict, path: Path) -> Path | None:
     return path
 
 
-def report(results: dict) -> None:
-    c = results["compare"]
+def _table(runs: dict, c: dict, names, title: str) -> None:
     rows = []
-    for name in COMMS:
-        by_seed = results["runs"].get(name, {})
+    for name in names:
+        by_seed = runs.get(name, {})
         vals = [f"{r['val_loss']:.4f}" if "val_loss" in r else "ERROR" for r in by_seed.values()]
         diff = c["vs_dense"].get(name, {})
         rows.append((LABELS[name], " ".join(vals), " ".join(f"{d:+.2f}" for d in diff.values()),
-                     f"{TARGETS[name]}" if name in TARGETS else "-"))  # fmt: skip
-    headers = ["final validation loss", "by seed", "vs dense % by seed", "target %"]
-    print(format_table(headers, rows, f"\nseeds {', '.join(results['seeds'])}"))
+                     f"{TARGETS[name]}" if name in TARGETS and title == "AdamW" else "-"))  # fmt: skip
+    headers = [f"final validation loss, {title}", "by seed", "vs dense % by seed", "target %"]
+    print(format_table(headers, rows, ""))
     print("TopK with error feedback vs without, % by seed: "
           + " ".join(f"{d:+.2f}" for d in c["ef_vs_noef"].values()))  # fmt: skip
     if "dense_spread" in c:
         print(f"dense spread over seeds: {c['dense_spread']:.2f}%")
+
+
+def report(results: dict) -> None:
+    print(f"\nseeds {', '.join(results['seeds'])}")
+    _table(results["runs"], results["compare"], COMMS, "AdamW")
+    control = results.get("control")
+    if control:
+        _table(control["runs"], control["compare"], CONTROL, "SGD (the control)")
     walls = [r["wall_s"] for by_seed in results["runs"].values() for r in by_seed.values()]
     print(f"{len(walls)} runs, {statistics.median(walls):.0f} s each (median), "
           f"{results['total_s'] / 60:.1f} min in all")  # fmt: skip
@@ -209,6 +230,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--comms", default=",".join(COMMS), help="of: " + ", ".join(COMMS))
+    p.add_argument(
+        "--control",
+        default=",".join(CONTROL),
+        help="comms run again with " + " ".join(CONTROL_ARGS) + " ('': none)",
+    )
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results/convergence.json")
     p.add_argument("--plot", type=Path, default=REPO / "benchmarks/comm-loss.png")
@@ -221,18 +247,25 @@ def main() -> None:
         return
     t_start, machine, code = time.perf_counter(), machine_info(), hashes("convergence")
     seeds, names = opts.seeds.split(","), opts.comms.split(",")
+    control = [n for n in opts.control.split(",") if n]
     runs: dict[str, dict[str, dict]] = {name: {} for name in names}
+    sgd: dict[str, dict[str, dict]] = {name: {} for name in control}
     for i, seed in enumerate(seeds):
-        k = i % len(names)
-        for name in names[k:] + names[:k]:  # rotated every seed
-            r = run_example(int(seed), COMMS[name], opts.timeout)
-            runs[name][seed] = r
-            said = f"{r['val_loss']:.4f}" if "val_loss" in r else "ERROR\n" + r["error"]
-            print(f"seed {seed} {name}: {r['wall_s']:.0f} s, validation loss {said}", flush=True)
+        for group, out, extra in ((names, runs, ()), (control, sgd, CONTROL_ARGS)):
+            k = i % len(group) if group else 0
+            for name in group[k:] + group[:k]:  # rotated every seed
+                r = run_example(int(seed), COMMS[name], opts.timeout, extra)
+                out[name][seed] = r
+                said = f"{r['val_loss']:.4f}" if "val_loss" in r else "ERROR\n" + r["error"]
+                print(f"seed {seed} {name} {' '.join(extra)}: {r['wall_s']:.0f} s, validation "
+                      f"loss {said}", flush=True)  # fmt: skip
     runs = {name: dict(sorted(by_seed.items())) for name, by_seed in runs.items()}
+    sgd = {name: dict(sorted(by_seed.items())) for name, by_seed in sgd.items()}
     results = {"benchmark": "convergence", "machine": machine, "measured": code}
     results.update(args={k: str(v) for k, v in vars(opts).items()}, seeds=seeds, comms=COMMS)
     results.update(labels=LABELS, targets_percent=TARGETS, runs=runs, compare=compare(runs))
+    if control:
+        results["control"] = {"args": list(CONTROL_ARGS), "runs": sgd, "compare": compare(sgd)}
     results.update(total_s=time.perf_counter() - t_start, loadavg_end=list(os.getloadavg()))
     report(results)
     print(f"wrote {write_json(opts.out, results)}")

@@ -150,7 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--num-workers", type=int, default=1, help="DataLoader worker processes per rank (0: none)"
     )
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument(
+        "--optimizer",
+        choices=["adamw", "sgd"],
+        default="adamw",
+        help="adamw (betas 0.9, 0.95; weight decay 0.1) or sgd (momentum 0.9, no weight\n"
+        "decay; error feedback was analysed for it: see docs/compression.md)",
+    )
+    p.add_argument(
+        "--lr", type=float, help="peak learning rate (default: 2e-3 with adamw, 0.1 with sgd)"
+    )
     p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
     p.add_argument(
@@ -297,6 +306,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"argument --pp: {problem}")
     if args.microbatches is None:
         args.microbatches = 2 * args.pp
+    if args.lr is None:
+        args.lr = {"adamw": 2e-3, "sgd": 0.1}[args.optimizer]
     if args.comm is not None:
         try:  # torchshard checks the value (a rank >= 1, a ratio in (0, 1]) before any launch
             args.comm_object = make_comm(args.comm)
@@ -798,13 +809,16 @@ def main(argv: list[str] | None = None) -> float:
     def no_decay(name: str) -> bool:
         return name.endswith("bias") or ".ln_" in name or name.startswith(("ln_", "wpe"))
 
-    opt = trainer.make_optimizer(
-        torch.optim.AdamW,
-        lr=args.lr,
-        betas=(0.9, 0.95),
-        weight_decay=0.1,
-        groups=[(no_decay, {"weight_decay": 0.0})],
-    )
+    if args.optimizer == "sgd":
+        opt = trainer.make_optimizer(torch.optim.SGD, lr=args.lr, momentum=0.9)
+    else:
+        opt = trainer.make_optimizer(
+            torch.optim.AdamW,
+            lr=args.lr,
+            betas=(0.9, 0.95),
+            weight_decay=0.1,
+            groups=[(no_decay, {"weight_decay": 0.0})],
+        )
     start, elapsed = 0, 0.0  # steps and training seconds before this launch
     resumed = overwrite_or_resume(args, ckpt, trainer, opt, latest)
     if resumed is not None:
@@ -813,7 +827,7 @@ def main(argv: list[str] | None = None) -> float:
     # Rank 0 records what it logs, for examples/plot_metrics.py.
     metrics = open_metrics(args.ckpt_dir, start) if args.ckpt_dir and info.rank == 0 else None
     log.info(
-        "world %d on %s, %s: %.2fM parameters, corpus %d bytes, %d %s",
+        "world %d on %s, %s: %.2fM parameters, corpus %d bytes, %d %s, %s at lr %g",
         info.world_size,
         info.device,
         {None: "replicated", "optimizer": "sharded", "full": "fully sharded"}[args.shard]
@@ -822,6 +836,8 @@ def main(argv: list[str] | None = None) -> float:
         len(train) + len(val),
         trainer.stats.buckets,
         "units" if args.shard == "full" else f"buckets of {args.bucket_mb:g} MiB",
+        {"adamw": "AdamW", "sgd": "SGD with momentum"}[args.optimizer],
+        args.lr,
     )
 
     tokens_per_step = args.batch_size * args.block_size * args.grad_accum  # all ranks

@@ -373,6 +373,30 @@ def test_train_gpt_builds_each_comm_by_name():
     assert train_gpt.parse_args(["--ckpt-dir", ""]).comm is None  # the default: no comm= at all
 
 
+def test_train_gpt_takes_sgd_with_its_own_default_lr():
+    train_gpt = __import__("train_gpt")
+    adamw, sgd = (
+        train_gpt.parse_args([*o, "--ckpt-dir", ""]) for o in ([], ["--optimizer", "sgd"])
+    )
+    assert (adamw.optimizer, adamw.lr, sgd.optimizer, sgd.lr) == ("adamw", 2e-3, "sgd", 0.1)
+    assert train_gpt.parse_args(["--optimizer", "sgd", "--lr", "0.3", "--ckpt-dir", ""]).lr == 0.3
+
+
+@pytest.mark.slow
+def test_train_gpt_trains_with_sgd_and_refuses_to_resume_adamw_state_with_it(tmp_path):
+    """--optimizer sgd (one process, no launcher) trains: the loss falls; its checkpoint does
+    not resume under AdamW, and the error names both optimizers."""
+    gpt = [*GPT, "--optimizer", "sgd", "--lr", "0.5", "--steps", "8", "--log-every", "4"]
+    text = run([sys.executable, TRAIN_GPT, *gpt, "--save-every", "8", "--ckpt-dir", str(tmp_path)])
+    assert "SGD with momentum at lr 0.5" in text, text
+    losses = logged_losses(text)
+    assert list(losses) == [4, 8] and losses[8] < losses[4], text
+    code, text = launch([sys.executable, TRAIN_GPT, *GPT, "--steps", "12", "--resume",
+                         "--ckpt-dir", str(tmp_path)])  # fmt: skip
+    assert code != 0, text
+    assert "checkpoint has torch.optim.sgd.SGD, got torch.optim.adamw.AdamW" in text, text
+
+
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 
