@@ -188,6 +188,8 @@ def _convergence_cell(r: Results) -> Cell:
     noef = list(cmp["vs_dense"]["topk_noef"].values())
     ef = list(cmp["ef_vs_noef"].values())
     parts[-1] += f", without error feedback {_signed(noef)}"
+    if "powersgd8" in cmp["vs_dense"]:  # no target: what a higher rank buys
+        parts.insert(2, f"PowerSGD(rank=8) {_signed(list(cmp['vs_dense']['powersgd8'].values()))}")
     checks.append(("TopK below no error feedback", ef, 0.0))
     dense = [run["val_loss"] for run in c["runs"]["dense"].values()]
     cell = (
@@ -197,6 +199,30 @@ def _convergence_cell(r: Results) -> Cell:
         f"{r['convergence']['total_s'] / 60:.0f} min"
     )
     return cell, verdicts(checks)
+
+
+def _control_cell(r: Results) -> Cell:
+    c = r["convergence"].get("control")
+    if c is None:
+        raise Failed("no control in `convergence.json` (bench_convergence.py --control '')")
+    cmp = c["compare"]
+    failed = [f"{n} seed {s}" for n, by in c["runs"].items() for s, x in by.items()
+              if "val_loss" not in x]  # fmt: skip
+    if failed:
+        raise Failed(f"control runs failed: {', '.join(failed)} (errors in `convergence.json`)")
+    dense = [run["val_loss"] for run in c["runs"]["dense"].values()]
+    parts = [
+        f"PowerSGD(rank=4) {_signed(list(cmp['vs_dense']['powersgd'].values()))}",
+        f"TopK {_signed(list(cmp['vs_dense']['topk'].values()))}",
+        f"without error feedback {_signed(list(cmp['vs_dense']['topk_noef'].values()))}",
+    ]
+    cell = (
+        f"vs dense under SGD, the mean over seeds (range): {'; '.join(parts)}; dense "
+        f"{min(dense):.4f} to {max(dense):.4f}, against AdamW's "
+        f"{min(x['val_loss'] for x in r['convergence']['runs']['dense'].values()):.4f} to "
+        f"{max(x['val_loss'] for x in r['convergence']['runs']['dense'].values()):.4f}"
+    )
+    return cell, "-"
 
 
 ROWS = (
@@ -246,6 +272,15 @@ ROWS = (
         _convergence_cell,
         "BF16 within 0.5%, PowerSGD within 2%, TopK within 3% and below TopK without error "
         "feedback",
+        ("convergence",),
+    ),
+    Row(
+        "the control: the same runs under SGD with momentum 0.9 (`--optimizer sgd`, lr 0.1) "
+        "instead of AdamW, for dense, `PowerSGD(rank=4)`, `TopK(0.01)` with and without error "
+        "feedback",
+        "measured, paired by seed",
+        _control_cell,
+        "- (a control)",
         ("convergence",),
     ),
 )
