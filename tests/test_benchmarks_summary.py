@@ -402,6 +402,31 @@ def test_the_convergence_row_judges_every_seed_against_its_dense_twin() -> None:
     )
 
 
+def test_the_convergence_control_row_reports_sgd_beside_adamw_without_a_verdict() -> None:
+    what, control = row("final validation loss of the example"), row("the control: the same")
+    dense = [2.0, 2.1, 2.2]
+    losses = {"dense": dense, "bf16": dense, "powersgd": [d * 1.06 for d in dense],
+              "powersgd8": [d * 1.02 for d in dense], "topk": dense, "topk_noef": dense}  # fmt: skip
+    r = convergence_results(losses)
+    assert (
+        "PowerSGD +6.00% (+6.00 to +6.00); PowerSGD(rank=8) +2.00%" in summary.measured(what, r)[0]
+    )
+    cell, verdict_cell = summary.measured(control, r)
+    assert cell.startswith("no control runs in `convergence.json` (run with --control '')")
+    sgd = {"dense": [2.4, 2.5, 2.6], "powersgd": [2.424, 2.525, 2.626],
+           "topk": [2.64, 2.75, 2.86], "topk_noef": [2.52, 2.625, 2.73]}  # fmt: skip
+    seeds = ("0", "1", "2")
+    runs = {n: {s: {"val_loss": v} for s, v in zip(seeds, vals)} for n, vals in sgd.items()}
+    r["convergence"]["control"] = {"runs": runs, "compare": bench_convergence.compare(runs)}
+    cell, verdict_cell = summary.measured(control, r)
+    assert verdict_cell == "-"
+    assert cell == (
+        "vs dense under SGD, the mean over seeds (range): PowerSGD(rank=4) +1.00% (+1.00 to "
+        "+1.00); TopK +10.00% (+10.00 to +10.00); without error feedback +5.00% (+5.00 to "
+        "+5.00); dense 2.4000 to 2.6000, against AdamW's 2.0000 to 2.2000"
+    ), cell
+
+
 def test_convergence_compares_each_seed_with_the_dense_run_of_that_seed() -> None:
     runs = {
         "dense": {"0": {"val_loss": 2.0}, "1": {"val_loss": 4.0}},

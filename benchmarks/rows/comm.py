@@ -204,7 +204,10 @@ def _convergence_cell(r: Results) -> Cell:
 def _control_cell(r: Results) -> Cell:
     c = r["convergence"].get("control")
     if c is None:
-        raise Failed("no control in `convergence.json` (bench_convergence.py --control '')")
+        raise Failed(
+            "no control runs in `convergence.json` (run with --control ''); rerun "
+            "python benchmarks/bench_convergence.py"
+        )
     cmp = c["compare"]
     failed = [f"{n} seed {s}" for n, by in c["runs"].items() for s, x in by.items()
               if "val_loss" not in x]  # fmt: skip
