@@ -383,7 +383,7 @@ def test_train_gpt_takes_sgd_with_its_own_default_lr():
 
 
 @pytest.mark.slow
-def test_train_gpt_trains_with_sgd_and_refuses_to_resume_adamw_state_with_it(tmp_path):
+def test_train_gpt_trains_with_sgd_and_adamw_refuses_its_checkpoint(tmp_path):
     """--optimizer sgd (one process, no launcher) trains: the loss falls; its checkpoint does
     not resume under AdamW, and the error names both optimizers."""
     gpt = [*GPT, "--optimizer", "sgd", "--lr", "0.5", "--steps", "8", "--log-every", "4"]
