@@ -213,17 +213,17 @@ def _control_cell(r: Results) -> Cell:
               if "val_loss" not in x]  # fmt: skip
     if failed:
         raise Failed(f"control runs failed: {', '.join(failed)} (errors in `convergence.json`)")
-    dense = [run["val_loss"] for run in c["runs"]["dense"].values()]
-    parts = [
-        f"PowerSGD(rank=4) {_signed(list(cmp['vs_dense']['powersgd'].values()))}",
-        f"TopK {_signed(list(cmp['vs_dense']['topk'].values()))}",
-        f"without error feedback {_signed(list(cmp['vs_dense']['topk_noef'].values()))}",
-    ]
+    sgd, adamw = ([x["val_loss"] for x in runs["dense"].values()]
+                  for runs in (c["runs"], r["convergence"]["runs"]))  # fmt: skip
+    labels = (
+        ("powersgd", "PowerSGD(rank=4)"),
+        ("topk", "TopK"),
+        ("topk_noef", "without error feedback"),
+    )
+    parts = [f"{label} {_signed(list(cmp['vs_dense'][n].values()))}" for n, label in labels]
     cell = (
         f"vs dense under SGD, the mean over seeds (range): {'; '.join(parts)}; dense "
-        f"{min(dense):.4f} to {max(dense):.4f}, against AdamW's "
-        f"{min(x['val_loss'] for x in r['convergence']['runs']['dense'].values()):.4f} to "
-        f"{max(x['val_loss'] for x in r['convergence']['runs']['dense'].values()):.4f}"
+        f"{min(sgd):.4f} to {max(sgd):.4f}, against AdamW's {min(adamw):.4f} to {max(adamw):.4f}"
     )
     return cell, "-"
 
