@@ -281,8 +281,9 @@ def logged_losses(text: str) -> dict[int, float]:
 def test_train_gpt_hybrid_sharding_trains_stops_and_resumes_anywhere(tmp_path):
     """--dp-replicate 2 at 4 ranks: 2 replicas of 2 shards (shard=True). The same losses as
     --shard over the 4 ranks, up to the reduction order (the last bits; printed to 4 places);
-    stopped at step 8 and resumed, bitwise the uninterrupted run; its step-8 checkpoint
-    resumes fully sharded at 2 ranks."""
+    resumed from its own step-8 checkpoint, bitwise the uninterrupted run; that checkpoint
+    resumes fully sharded at 2 ranks. (Stopping with --stop-at and resuming in the same
+    directory: test_train_gpt_resumes_past_a_corrupt_latest_checkpoint_under_max_restarts.)"""
     a, b = tmp_path / "a", tmp_path / "b"
     gpt = [*GPT, "--steps", "12", "--log-every", "4", "--save-every", "4", "--shard"]
     four = ("--standalone", "--nproc-per-node", "4")
@@ -295,15 +296,14 @@ def test_train_gpt_hybrid_sharding_trains_stops_and_resumes_anywhere(tmp_path):
     assert list(ours) == [4, 8, 12] and ours[12] < ours[4], whole
     assert ours == pytest.approx(theirs, abs=2e-4), (ours, theirs)
 
-    run(torchrun(*hybrid, "--ckpt-dir", str(a), "--stop-at", "8"))
-    resumed = run(torchrun(*hybrid, "--ckpt-dir", str(a), "--resume"))
-    assert f"resumed from {a}/step-00000008 (saved at world size 4" in resumed, resumed
+    step8 = b / "step-00000008"
+    resumed = run(torchrun(*hybrid, "--ckpt-dir", str(a), "--resume-from", str(step8)))
+    assert f"resumed from {step8} (saved at world size 4" in resumed, resumed
     ours, theirs = final_weights(a / "step-00000012"), final_weights(b / "step-00000012")
     assert ours.keys() == theirs.keys() and ours
     assert all(torch.equal(ours[k], theirs[k]) for k in ours), "resumed weights differ"
 
     two = ("--standalone", "--nproc-per-node", "2")
-    step8 = a / "step-00000008"
     full = [*GPT, "--steps", "12", "--log-every", "4", "--shard", "full"]
     text = run(torchrun(*two, TRAIN_GPT, *full, "--ckpt-dir", "", "--resume-from", str(step8)))
     assert f"resumed from {step8} (saved at world size 4" in text, text
@@ -434,7 +434,7 @@ def test_train_gpt_compresses_with_powersgd_after_its_start_and_refuses_it_shard
 
 @pytest.mark.slow
 def test_train_gpt_powersgd_stops_and_resumes_with_its_compression_state(tmp_path):
-    """--comm powersgd:2 stopped at step 12 and resumed with --resume: the checkpoint carried
+    """--comm powersgd:2 resumed from its own step-12 checkpoint: the checkpoint carried
     the step count (the resumed run compresses at once, as the uninterrupted one, instead of
     10 more dense steps) and the mean error (the weights at step 16 within float32 rounding
     of the uninterrupted run's: the mean, not each rank's own error, is what resumes); the
@@ -445,9 +445,9 @@ def test_train_gpt_powersgd_stops_and_resumes_with_its_compression_state(tmp_pat
     two = ("--standalone", "--nproc-per-node", "2")
     psgd = [*two, TRAIN_GPT, *gpt, "--comm", "powersgd:2"]
     whole = run(torchrun(*psgd, "--ckpt-dir", str(b)))
-    run(torchrun(*psgd, "--ckpt-dir", str(a), "--stop-at", "12"))
-    resumed = run(torchrun(*psgd, "--ckpt-dir", str(a), "--resume"))
-    assert f"resumed from {a}/step-00000012 (saved at world size 2" in resumed, resumed
+    step12 = b / "step-00000012"
+    resumed = run(torchrun(*psgd, "--ckpt-dir", str(a), "--resume-from", str(step12)))
+    assert f"resumed from {step12} (saved at world size 2" in resumed, resumed
     sent, sent_whole = sent_per_step(resumed), sent_per_step(whole)
     assert sent[16] == sent_whole[16] and sent[16][0] < sent[16][1] / 2, (sent, sent_whole)
     assert logged_losses(resumed)[16] == logged_losses(whole)[16]
@@ -457,7 +457,6 @@ def test_train_gpt_powersgd_stops_and_resumes_with_its_compression_state(tmp_pat
     assert 0 <= worst < 1e-5, worst
 
     one = ("--standalone", "--nproc-per-node", "1")
-    step12 = a / "step-00000012"
     more = [*GPT, "--steps", "16", "--log-every", "4", "--comm", "powersgd:2", "--ckpt-dir", ""]
     text = run(torchrun(*one, TRAIN_GPT, *more, "--resume-from", str(step12)))
     assert f"resumed from {step12} (saved at world size 2" in text, text

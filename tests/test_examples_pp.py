@@ -75,19 +75,19 @@ def test_a_pp_that_does_not_fit_exits_on_every_rank(flags, says):
 
 @pytest.mark.slow
 def test_train_gpt_pp2_resumes_at_another_pipeline_degree(tmp_path):
-    """Saved at (pp 2, dp 2) at step 4: resumed at (pp 2, dp 2) it ends bitwise as the
-    uninterrupted run; at pp 1 (a plain trainer over 2 ranks) and pp 4 it logs the same
-    step-8 loss up to float32 rounding; the files are the one-process picture."""
+    """Saved at (pp 2, dp 2) at step 4 (by the uninterrupted run): resumed at (pp 2, dp 2) it
+    ends bitwise as the uninterrupted run; at pp 1 (a plain trainer over 2 ranks) and pp 4 it
+    logs the same step-8 loss up to float32 rounding; the files are the one-process picture."""
     a, b = tmp_path / "a", tmp_path / "b"
     gpt = [*GPT, "--steps", "8", "--log-every", "4", "--save-every", "4", "--shard"]
     four = ("--standalone", "--nproc-per-node", "4")
     pp2 = ["--pp", "2", "--microbatches", "2"]
     whole = run(torchrun(*four, TRAIN_GPT, *gpt, *pp2, "--ckpt-dir", str(b)))
     assert "(pipeline: pp 2 x 2 data-parallel)" in whole, whole
-    run(torchrun(*four, TRAIN_GPT, *gpt, *pp2, "--ckpt-dir", str(a), "--stop-at", "4"))
-    step4 = a / "step-00000004"
+    step4 = b / "step-00000004"
     assert {"wte.weight", "blocks.1.mlp.0.weight"} <= set(final_weights(step4))
-    resumed = run(torchrun(*four, TRAIN_GPT, *gpt, *pp2, "--ckpt-dir", str(a), "--resume"))
+    again = ["--ckpt-dir", str(a), "--resume-from", str(step4)]
+    resumed = run(torchrun(*four, TRAIN_GPT, *gpt, *pp2, *again))
     assert f"resumed from {step4} (saved at world size 4, pp 2" in resumed, resumed
     ours, theirs = final_weights(a / "step-00000008"), final_weights(b / "step-00000008")
     assert ours.keys() == theirs.keys() and ours

@@ -142,19 +142,19 @@ def test_examples_exit_on_every_rank_for_a_tp_that_does_not_fit(script, world, a
 
 
 def test_train_gpt_tp2_resumes_at_another_tp_degree(tmp_path):
-    """Saved at (dp 2, tp 2) at step 4: resumed at (dp 2, tp 2) it ends bitwise as the
-    uninterrupted run; at (dp 2, tp 1) it logs the same step-8 loss up to float32 rounding;
-    the checkpoint's files are the one-process picture. (Every other (dp, tp) and mode:
-    tests/test_checkpoint_tp.py, without a launcher.)"""
+    """Saved at (dp 2, tp 2) at step 4 (by the uninterrupted run): resumed at (dp 2, tp 2) it
+    ends bitwise as the uninterrupted run; at (dp 2, tp 1) it logs the same step-8 loss up to
+    float32 rounding; the checkpoint's files are the one-process picture. (Every other
+    (dp, tp) and mode: tests/test_checkpoint_tp.py, without a launcher.)"""
     a, b = tmp_path / "a", tmp_path / "b"
     gpt = [*GPT, "--steps", "8", "--log-every", "4", "--save-every", "4", "--shard"]
     four = ("--standalone", "--nproc-per-node", "4")
     whole = run(torchrun(*four, TRAIN_GPT, *gpt, "--tp", "2", "--ckpt-dir", str(b)))
     assert "(tensor parallel: 2 data-parallel x tp 2)" in whole, whole
-    run(torchrun(*four, TRAIN_GPT, *gpt, "--tp", "2", "--ckpt-dir", str(a), "--stop-at", "4"))
-    step4 = a / "step-00000004"
+    step4 = b / "step-00000004"
     assert final_weights(step4)["wte.weight"].shape == (256, 16)  # whole, not a tp piece
-    resumed = run(torchrun(*four, TRAIN_GPT, *gpt, "--tp", "2", "--ckpt-dir", str(a), "--resume"))
+    again = ["--tp", "2", "--ckpt-dir", str(a), "--resume-from", str(step4)]
+    resumed = run(torchrun(*four, TRAIN_GPT, *gpt, *again))
     assert f"resumed from {step4} (saved at world size 4, tp 2" in resumed, resumed
     ours, theirs = final_weights(a / "step-00000008"), final_weights(b / "step-00000008")
     assert ours.keys() == theirs.keys() and ours
@@ -169,20 +169,19 @@ def test_train_gpt_tp2_resumes_at_another_tp_degree(tmp_path):
 
 
 def test_finetune_hf_tp2_resumes_at_another_tp_degree(tmp_path):
-    """Saved at (dp 1, tp 2) at step 2 of 4: resumed at one process and at (dp 2, tp 1) it
-    logs the uninterrupted run's step-4 loss up to float32 rounding, and the checkpoint
-    loads in transformers without a merge."""
+    """Saved at (dp 1, tp 2) at step 2 of 4 (by the uninterrupted run): resumed at one process
+    and at (dp 2, tp 1) it logs the uninterrupted run's step-4 loss up to float32 rounding,
+    and the checkpoint loads in transformers without a merge."""
     needs_hf()
     import transformers
 
     from torchshard.checkpoint._tools import consolidate
 
-    a, b = tmp_path / "a", tmp_path / "b"
+    b = tmp_path / "b"
     fine = [*FINE[:-2], *small_llama(tmp_path), "--save-every", "2"]  # no --ckpt-dir ''
     two = ("--standalone", "--nproc-per-node", "2")
     whole = run(torchrun(*two, FINETUNE, *fine, "--tp", "2", "--ckpt-dir", str(b)))
-    run(torchrun(*two, FINETUNE, *fine, "--tp", "2", "--ckpt-dir", str(a), "--stop-at", "2"))
-    step2 = a / "step-00000002"
+    step2 = b / "step-00000002"
     for launch in (("--standalone", "--nproc-per-node", "1"), two):
         text = run(
             torchrun(*launch, FINETUNE, *fine, "--ckpt-dir", "", "--resume-from", str(step2))

@@ -69,13 +69,6 @@ def torchrun(*args: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_torchrun_standalone_two_processes(tmp_path):
-    cmd = torchrun("--standalone", "--nproc-per-node", "2", EXAMPLE, *SMALL, "--ckpt-dir", "")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
-    check_run(out, world=2)
-
-
-@pytest.mark.slow
 def test_two_torchrun_nodes_over_loopback(tmp_path):
     port = free_port()
     procs = []
