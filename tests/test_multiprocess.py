@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from contextlib import suppress
@@ -14,7 +15,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import WorkerError, WorkerTimeout, free_port, run_distributed
+from multiprocess import WorkerError, WorkerTimeout, free_port, run_distributed, run_python
 
 # --- workers: module level so that the children can import them by reference -------------
 
@@ -221,3 +222,63 @@ def test_init_process_group_false_uses_torchrun_env() -> None:
 def test_free_port() -> None:
     port = free_port()
     assert 0 < port < 65536
+
+
+# --- run_python: `python ...` from a preloaded fork ----------------------------------------
+
+PROBE = """
+import atexit, importlib.util, json, multiprocessing, os, sys
+import torch
+import torchshard._exit as e
+
+atexit.register(lambda: print("at exit: failing", e.failing()))
+print(json.dumps({
+    "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__,
+    "foo": os.environ.get("FOO"), "start": multiprocessing.get_start_method(),
+    "threads": torch.get_num_threads(),
+    "suite": [m for m in ("gpt", "multiprocess") if importlib.util.find_spec(m)],
+}))
+code = sys.argv[-1]
+if code == "raise":
+    raise RuntimeError("raised here")
+if code != "ok":
+    raise SystemExit(int(code) if code.isdigit() else code)
+"""
+
+
+@pytest.mark.parametrize("how", ["ok", "3", "a message", "raise"])
+def test_run_python_is_what_python_does(tmp_path: Path, how: str) -> None:
+    """The oracle is python itself: the same script, arguments, env and cwd give the same
+    output, exit code and exit-time state (at exit, whether an exception is leaving)."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env |= {"FOO": "bar", "OMP_NUM_THREADS": "1"}
+    argv = [str(script), "--flag", how]
+    want = subprocess.run(
+        [sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    got = run_python(argv, tmp_path, env)
+    assert got.args == [sys.executable, *argv]
+    assert (got.returncode, got.stdout) == (want.returncode, want.stdout), (got, want)
+    assert want.stdout.count("at exit: failing") == 1, want
+    # the traceback names one more frame (the harness's exec): compare its last lines
+    assert got.stderr.splitlines()[-1:] == want.stderr.splitlines()[-1:], (got, want)
+    code = run_python(["-c", "import sys; print(sys.argv, sys.path[0] == '')", "x"], tmp_path, env)
+    assert (code.returncode, code.stdout) == (0, "['-c', 'x'] True\n"), code
+
+
+def test_run_python_kills_what_it_started_on_a_timeout(tmp_path: Path) -> None:
+    code = (
+        "import os, sys, time\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    open('child', 'w').write(str(os.getpid()))\n"
+        "time.sleep(600)\n"
+    )
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_python(["-c", code], tmp_path, dict(os.environ), timeout=3)
+    # killed; an orphan, it stays a zombie until init reaps it (not this process's child)
+    child = int((tmp_path / "child").read_text())
+    with suppress(psutil.NoSuchProcess):
+        assert psutil.Process(child).status() == psutil.STATUS_ZOMBIE, f"pid {child} survived"

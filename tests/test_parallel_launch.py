@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from multiprocess import free_port, run_distributed
+from multiprocess import free_port, run_distributed, run_python
 
 import torchshard
 
@@ -175,11 +175,11 @@ def test_trainer_leaves_a_user_created_group_alone():
 
 @pytest.mark.slow
 def test_a_second_run_refuses_to_delete_the_first_runs_checkpoints(tmp_path):
-    cmd = [sys.executable, EXAMPLE, *small(steps=4, log_every=2), "--ckpt-dir", str(tmp_path)]
+    cmd = [EXAMPLE, *small(steps=4, log_every=2), "--ckpt-dir", str(tmp_path)]
     cmd += ["--save-every", "2"]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
+    first = run_python(cmd, tmp_path, clean_env())  # a preloaded fork (tests/multiprocess.py)
     assert first.returncode == 0, first.stderr
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
+    again = run_python(cmd, tmp_path, clean_env())
     assert again.returncode == 2
     assert "holds checkpoints" in again.stderr and "--overwrite" in again.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -187,10 +187,7 @@ def test_a_second_run_refuses_to_delete_the_first_runs_checkpoints(tmp_path):
         "step-00000002",
         "step-00000004",
     ]
-    out = subprocess.run(
-        [*cmd, "--overwrite", "--steps", "2"],
-        capture_output=True, text=True, timeout=240, env=clean_env(),
-    )  # fmt: skip
+    out = run_python([*cmd, "--overwrite", "--steps", "2"], tmp_path, clean_env())
     assert out.returncode == 0, out.stderr
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002"]
 

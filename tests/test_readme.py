@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
+import multiprocess
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,14 +20,14 @@ def python_blocks(path: Path) -> list[str]:
 
 
 def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python -c code`` as a user runs a snippet, outside any launcher (multiprocess's
+    run_python: a preloaded fork, not 3 s of imports per snippet)."""
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "PYTEST_XDIST"))
     }
-    return subprocess.run(
-        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=240, env=env
-    )
+    return multiprocess.run_python(["-c", code], cwd, env, timeout=240)
 
 
 BLOCKS = [
