@@ -464,9 +464,8 @@ def test_train_gpt_powersgd_stops_and_resumes_with_its_compression_state(tmp_pat
     worst = max((ours[k] - theirs[k]).abs().max().item() for k in ours)
     assert 0 <= worst < 1e-5, worst
 
-    one = ("--standalone", "--nproc-per-node", "1")
     more = [*GPT, "--steps", "16", "--log-every", "4", "--comm", "powersgd:2", "--ckpt-dir", ""]
-    text = run(torchrun(*one, TRAIN_GPT, *more, "--resume-from", str(step12)))
+    text = run([sys.executable, TRAIN_GPT, *more, "--resume-from", str(step12)])  # no launcher
     assert f"resumed from {step12} (saved at world size 2" in text, text
     assert "loaded error (the mean over 2 ranks), powersgd_q, steps=12" in text, text
     # one rank sends nothing, yet compresses alike: the same global batches, the same loss
