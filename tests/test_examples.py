@@ -14,10 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import multiprocess
 import pytest
 import torch
-from multiprocess import free_port
+from multiprocess import free_port, run_python
 from safetensors.torch import load_file
 from test_parallel_launch import clean_env, torchrun
 
@@ -41,11 +40,11 @@ def needs_hf() -> None:
 
 def launch(cmd: list[str], env: dict[str, str] | None = None, timeout: int = 240):
     """(exit code, stdout + stderr) of ``cmd``. A one-process run of a script,
-    ``[sys.executable, script, ...]``, goes through multiprocess.run_python (a preloaded
+    ``[sys.executable, script, ...]``, goes through run_python (tests/multiprocess.py: a preloaded
     fork, not 3 s of imports); launchers and the rest start as they are."""
     env = env or clean_env()
     if cmd[0] == sys.executable and cmd[1].endswith(".py"):
-        out = multiprocess.run_python(cmd[1:], ROOT, env, timeout=timeout)
+        out = run_python(cmd[1:], ROOT, env, timeout=timeout)
     else:
         out = subprocess.run(
             cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
@@ -286,7 +285,7 @@ def logged_losses(text: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_train_gpt_hybrid_sharding_trains_stops_and_resumes_anywhere(tmp_path):
+def test_train_gpt_hybrid_sharding_trains_and_resumes_anywhere(tmp_path):
     """--dp-replicate 2 at 4 ranks: 2 replicas of 2 shards (shard=True). The same losses as
     --shard over the 4 ranks, up to the reduction order (the last bits; printed to 4 places);
     resumed from its own step-8 checkpoint, bitwise the uninterrupted run; that checkpoint
@@ -441,7 +440,7 @@ def test_train_gpt_compresses_with_powersgd_after_its_start_and_refuses_it_shard
 
 
 @pytest.mark.slow
-def test_train_gpt_powersgd_stops_and_resumes_with_its_compression_state(tmp_path):
+def test_train_gpt_powersgd_resumes_with_its_compression_state(tmp_path):
     """--comm powersgd:2 resumed from its own step-12 checkpoint: the checkpoint carried
     the step count (the resumed run compresses at once, as the uninterrupted one, instead of
     10 more dense steps) and the mean error (the weights at step 16 within float32 rounding
