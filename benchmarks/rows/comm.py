@@ -169,27 +169,33 @@ def _signed(xs: list[float]) -> str:
     return f"{mean:+.2f}% ({min(xs):+.2f} to {max(xs):+.2f})"
 
 
+def _vs_dense(cmp: dict, name: str) -> str:
+    """``name``'s final loss against the dense run of each seed: mean and range."""
+    return _signed(list(cmp["vs_dense"][name].values()))
+
+
+def _all_ran(runs: dict, what: str) -> None:
+    """Raise Failed naming each run (comm and seed) that has no final loss."""
+    failed = [
+        f"{n} seed {s}" for n, by in runs.items() for s, x in by.items() if "val_loss" not in x
+    ]
+    if failed:
+        raise Failed(f"{what} failed: {', '.join(failed)} (errors in `convergence.json`)")
+
+
 def _convergence_cell(r: Results) -> Cell:
     c = r["convergence"]
     cmp, seeds = c["compare"], c["seeds"]
-    failed = [
-        f"{name} seed {s}"
-        for name, by_seed in c["runs"].items()
-        for s, run in by_seed.items()
-        if "val_loss" not in run
-    ]
-    if failed:
-        raise Failed(f"runs failed: {', '.join(failed)} (errors in `convergence.json`)")
+    _all_ran(c["runs"], "runs")
     parts, checks = [], []
     for name, label, target in LOSS_TARGETS:
         xs = list(cmp["vs_dense"][name].values())
         parts.append(f"{label} {_signed(xs)}")
         checks.append((label, xs, target))
-    noef = list(cmp["vs_dense"]["topk_noef"].values())
     ef = list(cmp["ef_vs_noef"].values())
-    parts[-1] += f", without error feedback {_signed(noef)}"
+    parts[-1] += f", without error feedback {_vs_dense(cmp, 'topk_noef')}"
     if "powersgd8" in cmp["vs_dense"]:  # no target: what a higher rank buys
-        parts.insert(2, f"PowerSGD(rank=8) {_signed(list(cmp['vs_dense']['powersgd8'].values()))}")
+        parts.insert(2, f"PowerSGD(rank=8) {_vs_dense(cmp, 'powersgd8')}")
     checks.append(("TopK below no error feedback", ef, 0.0))
     dense = [run["val_loss"] for run in c["runs"]["dense"].values()]
     cell = (
@@ -209,10 +215,7 @@ def _control_cell(r: Results) -> Cell:
             "python benchmarks/bench_convergence.py"
         )
     cmp = c["compare"]
-    failed = [f"{n} seed {s}" for n, by in c["runs"].items() for s, x in by.items()
-              if "val_loss" not in x]  # fmt: skip
-    if failed:
-        raise Failed(f"control runs failed: {', '.join(failed)} (errors in `convergence.json`)")
+    _all_ran(c["runs"], "control runs")
     sgd, adamw = ([x["val_loss"] for x in runs["dense"].values()]
                   for runs in (c["runs"], r["convergence"]["runs"]))  # fmt: skip
     labels = (
@@ -220,7 +223,7 @@ def _control_cell(r: Results) -> Cell:
         ("topk", "TopK"),
         ("topk_noef", "without error feedback"),
     )
-    parts = [f"{label} {_signed(list(cmp['vs_dense'][n].values()))}" for n, label in labels]
+    parts = [f"{label} {_vs_dense(cmp, n)}" for n, label in labels]
     cell = (
         f"vs dense under SGD, the mean over seeds (range): {'; '.join(parts)}; dense "
         f"{min(sgd):.4f} to {max(sgd):.4f}, against AdamW's {min(adamw):.4f} to {max(adamw):.4f}"
