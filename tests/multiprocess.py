@@ -257,10 +257,15 @@ def _stop(procs: list[Any]) -> None:
         p.close()  # frees the sentinel fd now rather than at garbage collection
 
 
-def _dumped(tmpdir: str, rank: int) -> str:
-    with suppress(OSError), open(os.path.join(tmpdir, f"rank{rank}.txt")) as f:
+def _text(path: str) -> str:
+    """The file's text, or "" if it cannot be read (a process that died before writing it)."""
+    with suppress(OSError), open(path, errors="replace") as f:
         return f.read()
     return ""
+
+
+def _dumped(tmpdir: str, rank: int) -> str:
+    return _text(os.path.join(tmpdir, f"rank{rank}.txt"))
 
 
 DUMP_DEADLINE = 10.0  # seconds a hung rank gets to write its stacks after SIGUSR1
@@ -449,12 +454,12 @@ _SUITE_DIRS = tuple(
 
 
 @cache
-def _fresh_sys_path(executable: str) -> tuple[str, ...]:
+def _fresh_sys_path() -> tuple[str, ...]:
     """sys.path of ``python -c`` (without PYTHONPATH): '' first, then the standard library
     and site-packages, with the editable install's entries; not tests/ or examples/."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     code = "import sys; print(repr(sys.path))"
-    out = subprocess.run([executable, "-c", code], capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     return tuple(ast.literal_eval(out.stdout))
 
 
@@ -528,7 +533,7 @@ def run_python(
     ``subprocess.TimeoutExpired`` raised.
     """
     args = [sys.executable, *map(str, argv)]
-    path = _fresh_sys_path(sys.executable)
+    path = _fresh_sys_path()
     with tempfile.TemporaryDirectory(prefix="run_python-") as out:
         _start_server()
         proc = _CTX.Process(target=_python, args=(args[1:], os.fspath(cwd), dict(env), path, out))
@@ -542,15 +547,10 @@ def run_python(
             proc.join()
             returncode = proc.exitcode
             proc.close()
-        texts = []
-        for name in ("stdout", "stderr"):
-            with suppress(OSError), open(os.path.join(out, name), errors="replace") as f:
-                texts.append(f.read())
-                continue
-            texts.append("")
+        stdout, stderr = (_text(os.path.join(out, name)) for name in ("stdout", "stderr"))
         if expired:
-            raise subprocess.TimeoutExpired(args, timeout, texts[0], texts[1])
-        return subprocess.CompletedProcess(args, returncode, texts[0], texts[1])
+            raise subprocess.TimeoutExpired(args, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(args, returncode, stdout, stderr)
 
 
 # Last, so that in the forkserver it records what the preloads before it left: the modules
