@@ -51,7 +51,7 @@ PARALLEL = {  # data parallelism: the trainer core, one file per mode, the proto
         "_parallel.units",
     },
     # tensor parallelism in the planners: a whole layout split by a plan, by name
-    "_parallel.tpcost": {"_flat.layout", "_flat.tp_plan", "_parallel.footprint"},
+    "_parallel.tpcost": {"_errors", "_flat.layout", "_flat.tp_plan", "_parallel.footprint"},
     # the registry: the one module that names the modes
     "_parallel.modes": {
         "_errors",

@@ -238,6 +238,24 @@ def test_a_plan_splits_what_it_names_and_nothing_else() -> None:
     assert "blocks.1.attn.proj.bias" not in r.splits  # a rowwise bias: added once, replicated
     assert r.splits["wte.weight"] == r.splits["lm_head.weight"] == Split(0)  # tied: alike
     assert not any(n.startswith(("wpe", "ln_f", "blocks.0.ln_")) for n in r.splits)
+
+
+def test_a_resolved_plan_resolves_to_itself_and_a_miss_shows_the_names() -> None:
+    """A plan of literal module names (what ``Resolved.styles`` holds, and what the
+    planners take) names what its globs named, in the trainer and in the planners alike."""
+    with torch.device("meta"):
+        model = GPT(CFG)
+    r = resolve_plan(model, TP_PLAN, 2)
+    assert len(r.styles) > len(TP_PLAN) and not any("*" in m for m in r.styles)
+    assert resolve_plan(model, r.styles, 2) == r
+    whole = torchshard.FlatLayout.from_module(model)
+    plans = [
+        torchshard.plan_memory(whole, 2, shard=True, tp=2, tp_plan=p) for p in (r.styles, TP_PLAN)
+    ]
+    assert plans[0] == plans[1]
+    miss = _plan_error({**r.styles, "blocks.0.nope": "colwise"})  # a literal: looked up
+    assert "'blocks.0.nope' names no module of GPT" in miss
+    assert "(module names look like wte, wpe, blocks and " in miss  # the first 3, and a count
     assert matches("blocks.*.mlp.0", "blocks.1.mlp.0") and not matches("blocks.*", "blocks.1.mlp.0")
 
 

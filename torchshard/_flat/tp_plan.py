@@ -7,7 +7,7 @@ every rank resolves it alike (a bad plan raises on every rank, before any collec
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
@@ -22,6 +22,7 @@ __all__ = [
     "Split",
     "auto_plan",
     "local_layout",
+    "match_plan",
     "matches",
     "resolve_plan",
     "split_of",
@@ -111,6 +112,37 @@ def matches(glob: str, name: str) -> bool:
     return len(a) == len(b) and all(fnmatchcase(y, x) for x, y in zip(a, b))
 
 
+def match_plan(plan: Mapping[str, str], modules: Iterable[str], owner: str) -> dict[str, str]:
+    """Each module of ``modules`` (names; ``""``, the root, is never split) that a glob of
+    ``plan`` names, with the style of the first glob naming it. A glob without wildcards is
+    one module's own name (a resolved plan has one per module) and is looked up, not matched
+    against every name. ``owner`` names what the modules belong to, for the error. Raises
+    :class:`TPPlanError` for an unknown style or a glob that names no module.
+
+    Example::
+
+        match_plan({"blocks.*.attn.c_attn": "packed_colwise"}, names, "GPT")
+        # {"blocks.0.attn.c_attn": "packed_colwise", "blocks.1.attn.c_attn": ...}
+    """
+    known = [m for m in modules if m]
+    names = set(known)
+    styles: dict[str, str] = {}
+    for glob, style in plan.items():
+        split_of(style, "weight")  # a known style
+        if any(c in glob for c in "*?["):
+            hit = [m for m in known if matches(glob, m)]
+        else:
+            hit = [glob] if glob in names else []
+        if not hit:
+            raise TPPlanError(
+                f"tp_plan: {glob!r} names no module of {owner} (module names look like "
+                f"{and_more(known)})"
+            )
+        for m in hit:
+            styles.setdefault(m, style)
+    return styles
+
+
 def auto_plan(model: nn.Module) -> dict[str, str]:
     """A transformers model's own plan: its config's ``base_model_tp_plan`` under the base
     model's prefix, and the model's ``_tp_plan`` (e.g. ``lm_head``). An ``nn.Embedding``
@@ -179,17 +211,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str] | str, tp: int) -> Re
     ):
         raise TPPlanError(f"tp_plan: expected 'auto' or a dict {{glob: style}}, got {plan!r}")
     modules = dict(model.named_modules())
-    styles: dict[str, str] = {}
-    for glob, style in plan.items():
-        split_of(style, "weight")  # a known style
-        hit = [n for n in modules if n and matches(glob, n)]
-        if not hit:
-            raise TPPlanError(
-                f"tp_plan: {glob!r} names no module of {type(model).__name__} (module names "
-                f"look like {and_more([n for n in modules if n][:3])})"
-            )
-        for name in hit:
-            styles.setdefault(name, style)
+    styles = match_plan(plan, modules, type(model).__name__)
     _check_heads(model, tp)
     splits: dict[str, Split] = {}
     for name, style in styles.items():

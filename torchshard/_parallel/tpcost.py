@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .._errors import TPPlanError
 from .._flat.layout import FlatLayout
-from .._flat.tp_plan import Split, local_layout, matches, split_of
+from .._flat.tp_plan import Split, local_layout, match_plan, split_of
 from .footprint import PlanError
 
 __all__ = ["TPTraffic", "tp_dims", "tp_layout", "tp_traffic"]
@@ -39,27 +40,11 @@ def _styles(layout: FlatLayout, tp_plan: object) -> dict[str, str]:
         isinstance(k, str) and isinstance(v, str) for k, v in tp_plan.items()
     ):
         raise PlanError(f"tp_plan: expected a dict {{glob: style}}, got {tp_plan!r}")
-    modules = list(dict.fromkeys(n.rpartition(".")[0] for s in layout for n in s.names))
-    known = set(modules)
-    styles: dict[str, str] = {}
-    for glob, style in tp_plan.items():
-        try:
-            split_of(style, "weight")  # a known style
-        except Exception as e:
-            raise PlanError(str(e)) from None
-        if any(c in glob for c in "*?["):
-            hit = [m for m in modules if m and matches(glob, m)]
-        else:  # a module's own name (a resolved plan: one per module) names only it
-            hit = [glob] if glob and glob in known else []
-        if not hit:
-            shown = ", ".join(repr(m) for m in modules if m)
-            raise PlanError(
-                f"tp_plan: {glob!r} names no module of the layout (modules look like "
-                f"{shown[:120]}{'...' if len(shown) > 120 else ''})"
-            )
-        for m in hit:
-            styles.setdefault(m, style)
-    return styles
+    modules = dict.fromkeys(n.rpartition(".")[0] for s in layout for n in s.names)
+    try:
+        return match_plan(tp_plan, modules, "the layout")
+    except TPPlanError as e:
+        raise PlanError(str(e)) from None
 
 
 def tp_dims(layout: FlatLayout, tp: int, tp_plan: Mapping[str, str]) -> dict[str, int]:
