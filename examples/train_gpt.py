@@ -98,6 +98,10 @@ import torchshard.comm
 
 log = logging.getLogger("train_gpt")
 
+# --optimizer NAME: what the start line calls it and its default peak learning rate (built
+# in main(), beside its parameter groups)
+OPTIMIZERS = {"adamw": ("AdamW", 2e-3), "sgd": ("SGD with momentum", 0.1)}
+
 
 class HelpFormatter(argparse.RawTextHelpFormatter):
     """--help with its line breaks kept and each option's default shown (flags are off by
@@ -152,13 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--optimizer",
-        choices=["adamw", "sgd"],
+        choices=list(OPTIMIZERS),
         default="adamw",
         help="adamw (betas 0.9, 0.95; weight decay 0.1) or sgd (momentum 0.9, no weight\n"
         "decay; error feedback was analysed for it: see docs/compression.md)",
     )
     p.add_argument(
-        "--lr", type=float, help="peak learning rate (default: 2e-3 with adamw, 0.1 with sgd)"
+        "--lr",
+        type=float,
+        help="peak learning rate (default: "
+        + ", ".join(f"{lr:g} with {name}" for name, (_, lr) in OPTIMIZERS.items())
+        + ")",
     )
     p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
@@ -307,7 +315,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.microbatches is None:
         args.microbatches = 2 * args.pp
     if args.lr is None:
-        args.lr = {"adamw": 2e-3, "sgd": 0.1}[args.optimizer]
+        args.lr = OPTIMIZERS[args.optimizer][1]
     if args.comm is not None:
         try:  # torchshard checks the value (a rank >= 1, a ratio in (0, 1]) before any launch
             args.comm_object = make_comm(args.comm)
@@ -836,7 +844,7 @@ def main(argv: list[str] | None = None) -> float:
         len(train) + len(val),
         trainer.stats.buckets,
         "units" if args.shard == "full" else f"buckets of {args.bucket_mb:g} MiB",
-        {"adamw": "AdamW", "sgd": "SGD with momentum"}[args.optimizer],
+        OPTIMIZERS[args.optimizer][0],
         args.lr,
     )
 
