@@ -199,14 +199,16 @@ def plot(results: dict, path: Path) -> Path | None:
     return path
 
 
-def _table(runs: dict, c: dict, names, title: str) -> None:
+def _table(runs: dict, c: dict, names, title: str, targets: dict | None = None) -> None:
+    """One optimizer's table; ``targets``: the issue's, by comm (``None``: no verdicts)."""
+    targets = targets or {}
     rows = []
     for name in names:
         by_seed = runs.get(name, {})
         vals = [f"{r['val_loss']:.4f}" if "val_loss" in r else "ERROR" for r in by_seed.values()]
         diff = c["vs_dense"].get(name, {})
         rows.append((LABELS[name], " ".join(vals), " ".join(f"{d:+.2f}" for d in diff.values()),
-                     f"{TARGETS[name]}" if name in TARGETS and title == "AdamW" else "-"))  # fmt: skip
+                     f"{targets[name]}" if name in targets else "-"))  # fmt: skip
     headers = [f"final validation loss, {title}", "by seed", "vs dense % by seed", "target %"]
     print(format_table(headers, rows, ""))
     print("TopK with error feedback vs without, % by seed: "
@@ -217,7 +219,7 @@ def _table(runs: dict, c: dict, names, title: str) -> None:
 
 def report(results: dict) -> None:
     print(f"\nseeds {', '.join(results['seeds'])}")
-    _table(results["runs"], results["compare"], COMMS, "AdamW")
+    _table(results["runs"], results["compare"], COMMS, "AdamW", TARGETS)
     control = results.get("control")
     if control:
         _table(control["runs"], control["compare"], CONTROL, "SGD (the control)")
