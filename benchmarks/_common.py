@@ -64,6 +64,9 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu": _cpu_model(),
+        # the ATen kernels torch dispatches to here (a VM's "model name" may not tell AVX2
+        # from AVX-512 hosts; float results, such as a lossy comm's loss, differ between them)
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),

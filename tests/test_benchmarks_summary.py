@@ -31,6 +31,7 @@ summary = load_summary()  # puts benchmarks/ on sys.path: report/ and rows/ impo
 import bench_convergence  # noqa: E402
 import bench_hsdp  # noqa: E402
 from report import freshness, stats  # noqa: E402
+from report.table import machine_line  # noqa: E402
 
 RUN_ALL = "python benchmarks/run_all.py"
 
@@ -575,3 +576,18 @@ def test_stale_cli_exits_1_naming_each_result_and_0_when_fresh(tmp_path: Path) -
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert (proc.returncode, proc.stderr) == (0, "")
+
+
+def test_the_machine_line_names_the_kernels_and_how_many_results_do_not() -> None:
+    """A VM's CPU "model name" may hide whether torch ran its AVX2 or AVX-512 kernels, which
+    move float results (a lossy comm's loss): each result records what torch dispatched to."""
+    m = {"cpu_count": 2, "torch": "2.13.0+cpu", "cpu": "AMD EPYC", "git_commit": "abc"}
+    one = {"flat": {"machine": {**m, "cpu_capability": "AVX512"}}}
+    assert "2 CPUs (AMD EPYC, AVX512 kernels)" in machine_line(one)
+    mixed = {
+        **one,
+        "trainer": {"machine": {**m, "cpu_capability": "AVX2"}},
+        "comm": {"machine": m},  # measured before the field existed
+    }
+    assert "2 CPUs (AMD EPYC, AVX2 / AVX512 kernels; 1 of 3 unsaid)" in machine_line(mixed)
+    assert "2 CPUs (AMD EPYC)" in machine_line({"comm": {"machine": m}})

@@ -68,7 +68,12 @@ def machine_line(results: Results) -> str:
     def distinct(key: str) -> list[str]:
         return sorted({str(m["machine"][key]) for m in machines if m["machine"].get(key)})
 
-    cpus, torch, model = (" / ".join(distinct(k)) for k in ("cpu_count", "torch", "cpu"))
+    cpus, torch, model, isa = (
+        " / ".join(distinct(k)) for k in ("cpu_count", "torch", "cpu", "cpu_capability")
+    )
+    if isa:
+        missing = sum(not m["machine"].get("cpu_capability") for m in machines)
+        model += f", {isa} kernels" + (f"; {missing} of {len(machines)} unsaid" if missing else "")
     dates = sorted({str(m["machine"]["date"])[:10] for m in machines if m["machine"].get("date")})
     when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}" if dates else "?"
     commits: dict[str, list[str]] = {}
