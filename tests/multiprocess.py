@@ -55,6 +55,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -487,14 +488,17 @@ def _python(
         if where.startswith(_SUITE_DIRS):
             del sys.modules[name]
     mp.set_start_method(None, force=True)  # the platform's default again, not forkserver
-    script = argv[0] != "-c"
-    # python puts the script's directory first on sys.path, or '' for -c
-    sys.path[:] = [os.path.dirname(os.path.abspath(argv[0])) if script else "", *path[1:]]
-    sys.argv[:] = argv if script else ["-c", *argv[2:]]
+    how = argv[0] if argv[0] in ("-c", "-m") else "script"
+    # python puts the script's directory first on sys.path, the cwd for -m, '' for -c
+    first = {"script": os.path.dirname(os.path.abspath(argv[0])), "-m": os.getcwd(), "-c": ""}
+    sys.path[:] = [first[how], *path[1:]]
+    sys.argv[:] = argv if how == "script" else [how, *argv[2:]]  # -m: runpy sets argv[0]
     status = 0
     try:
-        if script:
+        if how == "script":
             runpy.run_path(argv[0], run_name="__main__")
+        elif how == "-m":
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             main = types.ModuleType("__main__")
             sys.modules["__main__"] = main
@@ -519,9 +523,10 @@ def run_python(
     argv: list[str], cwd: str | os.PathLike[str], env: dict[str, str], timeout: float = 240.0
 ) -> subprocess.CompletedProcess[str]:
     """What ``subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
-    text=True, timeout=timeout)`` returns, for ``argv`` a script and its arguments or
-    ``["-c", code, ...]``, run in a child of the preloaded forkserver: about 0.02 s to start
-    instead of about 3 s of CPU for the imports (torch, torch._dynamo, torchshard) each time.
+    text=True, timeout=timeout)`` returns, for ``argv`` a script and its arguments,
+    ``["-c", code, ...]`` or ``["-m", module, ...]``, run in a child of the preloaded
+    forkserver: about 0.02 s to start instead of about 3 s of CPU for the imports (torch,
+    torch._dynamo, torchshard) each time.
 
     The child gets ``env``, ``cwd``, a fresh interpreter's sys.path (the script's directory
     or '' first), sys.argv and ``__main__``, and exits with the code python would (1 and the
@@ -529,8 +534,8 @@ def run_python(
     starts with those modules imported, and it leaves by ``os._exit`` after atexit, without
     the interpreter's finalization: an abort at teardown is for real launches to catch
     (tests/test_exit.py); so is anything about start-up itself. On a timeout its process
-    group (the program and the processes it started) is killed and
-    ``subprocess.TimeoutExpired`` raised.
+    group (the program and the processes it started) is killed, with whatever runs below it
+    in other sessions (a launcher's workers), and ``subprocess.TimeoutExpired`` raised.
     """
     args = [sys.executable, *map(str, argv)]
     path = _fresh_sys_path()
@@ -542,6 +547,8 @@ def run_python(
             proc.join(timeout)
             expired = proc.exitcode is None
         finally:
+            if proc.exitcode is None:  # its descendants in other sessions (torchrun's workers)
+                _kill_descendants(proc.pid)
             with suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)  # what it left running, if anything
             proc.join()
@@ -551,6 +558,15 @@ def run_python(
         if expired:
             raise subprocess.TimeoutExpired(args, timeout, stdout, stderr)
         return subprocess.CompletedProcess(args, returncode, stdout, stderr)
+
+
+def _kill_descendants(pid: int) -> None:
+    """SIGKILL every process below ``pid``, found while ``pid`` still holds them (a launcher
+    starts each worker in a session of its own, where a kill of its group does not reach)."""
+    with suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(pid).children(recursive=True):
+            with suppress(psutil.NoSuchProcess):
+                child.kill()
 
 
 # Last, so that in the forkserver it records what the preloads before it left: the modules

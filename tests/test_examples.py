@@ -23,6 +23,7 @@ from test_parallel_launch import clean_env, torchrun
 ROOT = Path(__file__).resolve().parent.parent
 FINETUNE = str(ROOT / "examples" / "finetune_hf.py")
 TRAIN_GPT = str(ROOT / "examples" / "train_gpt.py")
+TORCHRUN = ["-m", "torch.distributed.run"]  # what test_parallel_launch.torchrun puts after python
 # global: 1, 2 and 3 ranks; one thread per rank (a world of one would take every core, on a
 # box where the other test worker runs too)
 SMALL = "--block-size 32 --batch-size 6 --save-every 2 --log-every 2 --threads 1"
@@ -40,10 +41,12 @@ def needs_hf() -> None:
 
 def launch(cmd: list[str], env: dict[str, str] | None = None, timeout: int = 240):
     """(exit code, stdout + stderr) of ``cmd``. A one-process run of a script,
-    ``[sys.executable, script, ...]``, goes through run_python (tests/multiprocess.py: a preloaded
-    fork, not 3 s of imports); launchers and the rest start as they are."""
+    ``[sys.executable, script, ...]``, and torchrun's agent, ``[sys.executable, "-m",
+    "torch.distributed.run", ...]``, go through run_python (tests/multiprocess.py: a preloaded
+    fork, not 2 to 3 s of imports); torchrun's workers are fresh interpreters all the same
+    (it starts them). Other launchers and commands start as they are."""
     env = env or clean_env()
-    if cmd[0] == sys.executable and cmd[1].endswith(".py"):
+    if cmd[0] == sys.executable and (cmd[1].endswith(".py") or cmd[1:3] == TORCHRUN):
         out = run_python(cmd[1:], ROOT, env, timeout=timeout)
     else:
         out = subprocess.run(

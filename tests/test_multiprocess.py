@@ -247,14 +247,17 @@ if code != "ok":
 
 
 @pytest.mark.parametrize("how", ["ok", "3", "a message", "raise"])
-def test_run_python_is_what_python_does(tmp_path: Path, how: str) -> None:
-    """The oracle is python itself: the same script, arguments, env and cwd give the same
-    output, exit code and exit-time state (at exit, whether an exception is leaving)."""
+@pytest.mark.parametrize("run", ["script", "-m"])
+def test_run_python_is_what_python_does(tmp_path: Path, how: str, run: str) -> None:
+    """The oracle is python itself: the same script (or module), arguments, env and cwd give
+    the same output, exit code and exit-time state (at exit, whether an exception is
+    leaving)."""
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env |= {"FOO": "bar", "OMP_NUM_THREADS": "1"}
-    argv = [str(script), "--flag", how]
+    argv = [str(script) if run == "script" else "-m", *(["probe"] if run == "-m" else [])]
+    argv += ["--flag", how]
     want = subprocess.run(
         [sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True, text=True
     )
@@ -269,22 +272,28 @@ def test_run_python_is_what_python_does(tmp_path: Path, how: str) -> None:
 
 
 def test_run_python_kills_what_it_started_on_a_timeout(tmp_path: Path) -> None:
+    """What the program forked dies with it, in its process group or in a session of its
+    own (as torchrun starts its workers)."""
     code = (
         "import os, sys, time\n"
-        "pid = os.fork()\n"
-        "if pid == 0:\n"
-        "    open('child', 'w').write(str(os.getpid()))\n"
+        "for name in ('child', 'session'):\n"
+        "    if os.fork() == 0:\n"
+        "        if name == 'session':\n"
+        "            os.setsid()\n"
+        "        open(name, 'w').write(str(os.getpid()))\n"
+        "        time.sleep(600)\n"
         "time.sleep(600)\n"
     )
     with pytest.raises(subprocess.TimeoutExpired):
         run_python(["-c", code], tmp_path, dict(os.environ), timeout=3)
     # SIGKILLed: dead once the kernel gets to it; an orphan, it stays a zombie until init
     # reaps it (not this process's child), so "dead" is gone or a zombie
-    child, status = int((tmp_path / "child").read_text()), "gone"
-    deadline = time.monotonic() + 30  # a bound for a busy box, not a wait in the good case
-    with suppress(psutil.NoSuchProcess):
-        while (status := psutil.Process(child).status()) != psutil.STATUS_ZOMBIE:
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
-    assert status in ("gone", psutil.STATUS_ZOMBIE), f"pid {child} survived: {status}"
+    for name in ("child", "session"):
+        pid, status = int((tmp_path / name).read_text()), "gone"
+        deadline = time.monotonic() + 30  # a bound for a busy box, not a wait in the good case
+        with suppress(psutil.NoSuchProcess):
+            while (status := psutil.Process(pid).status()) != psutil.STATUS_ZOMBIE:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+        assert status in ("gone", psutil.STATUS_ZOMBIE), f"{name} pid {pid} survived: {status}"
