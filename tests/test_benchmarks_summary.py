@@ -412,6 +412,7 @@ def test_the_convergence_control_row_reports_sgd_beside_adamw_without_a_verdict(
     assert (
         "PowerSGD +6.00% (+6.00 to +6.00); PowerSGD(rank=8) +2.00%" in summary.measured(what, r)[0]
     )
+    assert summary.measured(what, r)[0].endswith("3 seeds x 6 comms, 15 min in all")
     cell, verdict_cell = summary.measured(control, r)
     assert cell.startswith("no control runs in `convergence.json` (run with --control '')")
     sgd = {"dense": [2.4, 2.5, 2.6], "powersgd": [2.424, 2.525, 2.626],
@@ -420,6 +421,10 @@ def test_the_convergence_control_row_reports_sgd_beside_adamw_without_a_verdict(
     runs = {n: {s: {"val_loss": v} for s, v in zip(seeds, vals)} for n, vals in sgd.items()}
     r["convergence"]["control"] = {"runs": runs, "compare": bench_convergence.compare(runs)}
     cell, verdict_cell = summary.measured(control, r)
+    # the time in the main row covers the control's runs too: it says so
+    assert summary.measured(what, r)[0].endswith(
+        "3 seeds x 6 comms (and x 4 for the control below), 15 min in all"
+    )
     assert verdict_cell == "-"
     assert cell == (
         "vs dense under SGD, the mean over seeds (range): PowerSGD(rank=4) +1.00% (+1.00 to "

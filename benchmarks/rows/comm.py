@@ -198,11 +198,13 @@ def _convergence_cell(r: Results) -> Cell:
         parts.insert(2, f"PowerSGD(rank=8) {_vs_dense(cmp, 'powersgd8')}")
     checks.append(("TopK below no error feedback", ef, 0.0))
     dense = [run["val_loss"] for run in c["runs"]["dense"].values()]
+    control = len(c.get("control", {}).get("runs", {}))  # the time below covers its runs too
     cell = (
         f"vs dense, the mean over seeds {', '.join(seeds)} (range): {'; '.join(parts)}; dense "
         f"{min(dense):.4f} to {max(dense):.4f} (spread {cmp['dense_spread']:.2f}%); "
-        f"{len(dense)} seeds x {len(c['runs'])} comms, "
-        f"{r['convergence']['total_s'] / 60:.0f} min"
+        f"{len(dense)} seeds x {len(c['runs'])} comms"
+        + (f" (and x {control} for the control below)" if control else "")
+        + f", {c['total_s'] / 60:.0f} min in all"
     )
     return cell, verdicts(checks)
 
