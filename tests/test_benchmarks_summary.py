@@ -596,3 +596,25 @@ def test_the_machine_line_names_the_kernels_and_how_many_results_do_not() -> Non
     }
     assert "2 CPUs (AMD EPYC, AVX2 / AVX512 kernels; 1 of 3 unsaid)" in machine_line(mixed)
     assert "2 CPUs (AMD EPYC)" in machine_line({"comm": {"machine": m}})
+
+
+def test_the_blocking_save_row_shows_which_writer_moved() -> None:
+    """A ratio to save_file flips its verdict when the page cache's cost moves between hosts:
+    the row gives each writer's own medians, so that a reader sees which side moved."""
+    blocking = {
+        "median_s": {"torchshard": 0.9, "safetensors": 1.5, "dd_fsync": 1.75},
+        "cpu_s": {"torchshard": [0.3, 0.2, 0.4], "safetensors": [1.0], "dd_fsync": [1.2, 1.25]},
+    }
+    ratios = {"wall": [0.6, 0.5, 0.7], "cpu": [0.3, 0.2, 0.25]}
+    r = {
+        "checkpoint": {
+            "blocking": blocking,
+            "paired": {"blocking: torchshard / safetensors": ratios},
+        }
+    }
+    cell, verdicts = summary.measured(row("blocking save vs"), r)
+    assert cell.endswith(
+        "; medians torchshard 0.90 s / 0.30 CPU-s, save_file 1.50 s / 1.00 CPU-s, "
+        "dd conv=fsync 1.75 s / 1.23 CPU-s"
+    ), cell
+    assert verdicts == "wall met (3 of 3 <= 1.1); CPU met (3 of 3 <= 1.2)"

@@ -6,6 +6,8 @@ Stdlib only: rows of the benchmark table, read from the results by `summary.py`.
 
 from __future__ import annotations
 
+import statistics
+
 from report.results import Results
 from report.stats import mib, paired, pairs_of, spread_text, verdict, wall_cpu
 from report.table import PAIRED, Cell, Row
@@ -14,7 +16,20 @@ from report.table import PAIRED, Cell, Row
 def _blocking_save(r: Results) -> Cell:
     p = paired(r, "checkpoint", "blocking: torchshard / safetensors")
     wall, cpu = verdict(p["wall"], 1.1), verdict(p["cpu"], 1.2)
-    return f"{wall_cpu(p)}; {pairs_of(p, 'rounds')}", f"wall {wall}; CPU {cpu}"
+    return (
+        f"{wall_cpu(p)}; {pairs_of(p, 'rounds')}; {_medians(r['checkpoint']['blocking'])}",
+        f"wall {wall}; CPU {cpu}",
+    )
+
+
+def _medians(b: dict) -> str:
+    """Each writer's median wall and CPU seconds: the page cache's cost (save_file, dd
+    conv=fsync) moves 2x to 3x between hosts; a ratio alone hides which side moved."""
+    names = {"torchshard": "torchshard", "safetensors": "save_file", "dd_fsync": "dd conv=fsync"}
+    return "medians " + ", ".join(
+        f"{label} {b['median_s'][k]:.2f} s / {statistics.median(b['cpu_s'][k]):.2f} CPU-s"
+        for k, label in names.items()
+    )
 
 
 def _blocking_zlib(r: Results) -> Cell:
