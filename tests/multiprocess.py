@@ -528,8 +528,8 @@ def run_python(
     forkserver: about 0.02 s to start instead of about 3 s of CPU for the imports (torch,
     torch._dynamo, torchshard) each time.
 
-    The child gets ``env``, ``cwd``, a fresh interpreter's sys.path (the script's directory
-    or '' first), sys.argv and ``__main__``, and exits with the code python would (1 and the
+    The child gets ``env``, ``cwd``, a fresh interpreter's sys.path (first the script's
+    directory, the cwd for ``-m``, '' for ``-c``), sys.argv and ``__main__``, and exits with the code python would (1 and the
     traceback on an exception), after the atexit functions. Unlike a fresh interpreter it
     starts with those modules imported, and it leaves by ``os._exit`` after atexit, without
     the interpreter's finalization: an abort at teardown is for real launches to catch
