@@ -599,7 +599,7 @@ def test_the_machine_line_names_the_kernels_and_how_many_results_do_not() -> Non
 
 
 def test_the_blocking_save_row_shows_which_writer_moved() -> None:
-    """A ratio to save_file flips its verdict when the page cache's cost moves between hosts:
+    """A ratio to save_file flips its verdict when the page cache's cost moves between runs:
     the row gives each writer's own medians, so that a reader sees which side moved."""
     blocking = {
         "median_s": {"torchshard": 0.9, "safetensors": 1.5, "dd_fsync": 1.75},

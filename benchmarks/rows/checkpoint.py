@@ -24,7 +24,7 @@ def _blocking_save(r: Results) -> Cell:
 
 def _medians(b: dict) -> str:
     """Each writer's median wall and CPU seconds: the page cache's cost (save_file, dd
-    conv=fsync) moves 2x to 3x between hosts; a ratio alone hides which side moved."""
+    conv=fsync) moves 2x to 3x between runs; a ratio alone hides which side moved."""
     names = {"torchshard": "torchshard", "safetensors": "save_file", "dd_fsync": "dd conv=fsync"}
     return "medians " + ", ".join(
         f"{label} {b['median_s'][k]:.2f} s / {statistics.median(b['cpu_s'][k]):.2f} CPU-s"
