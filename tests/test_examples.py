@@ -23,7 +23,7 @@ from test_parallel_launch import clean_env, torchrun
 ROOT = Path(__file__).resolve().parent.parent
 FINETUNE = str(ROOT / "examples" / "finetune_hf.py")
 TRAIN_GPT = str(ROOT / "examples" / "train_gpt.py")
-TORCHRUN = ["-m", "torch.distributed.run"]  # what test_parallel_launch.torchrun puts after python
+TORCHRUN = torchrun()[1:]  # ["-m", "torch.distributed.run"]: launch() starts it from the fork
 # global: 1, 2 and 3 ranks; one thread per rank (a world of one would take every core, on a
 # box where the other test worker runs too)
 SMALL = "--block-size 32 --batch-size 6 --save-every 2 --log-every 2 --threads 1"
