@@ -20,12 +20,15 @@ deleted, then ``sync`` and (where permitted) ``echo 3 > /proc/sys/vm/drop_caches
    without. Configurations, all of them in each of --train-repeats rounds, rotating:
    no save; ``checkpoint.save`` (blocking) inside the loop, the baseline; torchshard's async
    ``Checkpointer.save``; DCP's ``dcp.async_save({"model", "optim"})`` on a gloo world of
-   one. blocked = time in the save call + the wait of the next ``opt.step()`` (step
-   pre-hooks around torchshard's fence; "step diff": that opt.step() minus its no-save
-   twin). cpu+ = process CPU seconds over the no-save loop. One untimed save of each first
-   (torchshard then reuses its staging memory). Per round, the async save's blocked time
-   (and step diff) over the time the blocking save's call held the loop, and its lost time
-   over the blocking loop's lost time, in that round.
+   one, written by a thread (``dcp``) and by DCP's checkpoint process (``dcp_process``,
+   ``AsyncCheckpointerType.PROCESS``). blocked = time in the save call + the wait of the next
+   ``opt.step()`` (step pre-hooks around torchshard's fence; "step diff": that opt.step()
+   minus its no-save twin). cpu+ = CPU seconds over the no-save loop, this process's and its
+   running children's (DCP's checkpoint process). One untimed save of each first (torchshard
+   then reuses its staging memory; DCP starts its process). Per round, the async save's
+   blocked time (and step diff) over the time the blocking save's call held the loop, and
+   its lost time over the lost time of the blocking loop (and of each DCP loop), in that
+   round.
 3. Resume: save at world 2 (fresh processes, gloo, 1 thread per rank), then --resume-repeats
    rounds of one load at each of world 2, 3, 1 and 4, in an order rotated every round, each
    in fresh processes (a resume starts that way), page cache dropped before it: max over
@@ -72,6 +75,7 @@ from _common import (
 from report.freshness import hashes
 from report.stats import spread_text, verdict
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 if "--no-fast" in sys.argv:  # a platform without ISA-L's wheel: zlib's CRC-32
     sys.modules["isal"] = sys.modules["isal.isal_zlib"] = None  # type: ignore[assignment]
@@ -126,12 +130,27 @@ def weights_sum(fm) -> float:
     return sum(float(p.detach().double().sum()) for p in fm.parameters())
 
 
-def cpu_s(children: bool = False) -> float:
-    """CPU seconds of this process (every thread), plus its waited-for children if asked."""
+def cpu_s(children: bool = False, live: bool = False) -> float:
+    """CPU seconds of this process (every thread), plus its waited-for children if asked, plus
+    (``live``) what its running children have used so far (DCP's checkpoint process)."""
     total = 0.0
     for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)[: 2 if children else 1]:
         ru = resource.getrusage(who)
         total += ru.ru_utime + ru.ru_stime
+    return total + (live_children_cpu_s() if live else 0.0)
+
+
+def live_children_cpu_s() -> float:
+    """CPU seconds used so far by this process's running children (Linux ``/proc``; 0
+    elsewhere): utime + stime of each process whose parent is this one."""
+    me, total, tick = os.getpid(), 0.0, os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == me:  # after the name: state, ppid, ..., utime (12), stime (13)
+            total += (int(fields[11]) + int(fields[12])) / tick
     return total
 
 
@@ -160,9 +179,11 @@ def tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def dcp_save(fm, opt, path: Path):
-    """Start a DCP async save of the model and optimizer state dicts; returns its wait()."""
-    fut = dcp.async_save({"model": fm.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+def dcp_save(fm, opt, path: Path, kind: AsyncCheckpointerType = AsyncCheckpointerType.THREAD):
+    """Start a DCP async save of the model and optimizer state dicts, written by a thread or
+    (``kind`` PROCESS) by DCP's checkpoint process; returns its wait()."""
+    state = {"model": fm.state_dict(), "optim": opt.state_dict()}
+    fut = dcp.async_save(state, checkpoint_id=path, async_checkpointer_type=kind)
     return getattr(fut, "upload_completion", fut).result
 
 
@@ -230,6 +251,8 @@ def part_training(fm, opt, work: Path, cfg: GPTConfig, steps: int, repeats: int)
         if not dist.is_initialized():
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         starts["dcp"] = lambda i: dcp_save(fm, opt, work / f"dcp-{i}")
+        process = AsyncCheckpointerType.PROCESS
+        starts["dcp_process"] = lambda i: dcp_save(fm, opt, work / f"dcpp-{i}", process)
     except Exception as e:  # reported; DCP is left out
         dcp_error = f"{type(e).__name__}: {e}"
     marks: dict[str, float] = {}
@@ -242,7 +265,7 @@ def part_training(fm, opt, work: Path, cfg: GPTConfig, steps: int, repeats: int)
 
     def loop(start) -> dict:
         rec: dict = {"step_s": [], "opt_step_s": [], "fence_wait_s": [], "save_call_s": 0.0}
-        wait, t_start, cpu0 = None, now(), cpu_s()
+        wait, t_start, cpu0 = None, now(), cpu_s(live=True)
         for i, xy in enumerate(batches):
             t0 = now()
             opt.zero_grad()
@@ -259,7 +282,8 @@ def part_training(fm, opt, work: Path, cfg: GPTConfig, steps: int, repeats: int)
         t0 = now()
         if wait:
             wait()
-        rec.update(final_wait_s=now() - t0, total_s=now() - t_start, cpu_s=cpu_s() - cpu0)
+        cpu = cpu_s(live=True) - cpu0
+        rec.update(final_wait_s=now() - t0, total_s=now() - t_start, cpu_s=cpu)
         return rec
 
     rounds, names = [], list(starts)
@@ -296,11 +320,12 @@ def part_training(fm, opt, work: Path, cfg: GPTConfig, steps: int, repeats: int)
             "cpu": ratio("torchshard", "blocking", "cpu_added", "cpu_added"),
         },
     }
-    if "dcp" in per:
-        paired["lost: async / dcp"] = {
-            "wall": ratio("torchshard", "dcp", "lost"),
-            "cpu": ratio("torchshard", "dcp", "cpu_added", "cpu_added"),
-        }
+    for key, name in (("dcp", "dcp"), ("dcp process", "dcp_process")):
+        if name in per:
+            paired[f"lost: async / {key}"] = {
+                "wall": ratio("torchshard", name, "lost"),
+                "cpu": ratio("torchshard", name, "cpu_added", "cpu_added"),
+            }
     return {"dcp_error": dcp_error, "rounds": rounds, "median_s": med, "paired": paired}
 
 
@@ -517,6 +542,7 @@ CHECKS = (  # the issue's targets: (paired key, wall or cpu, at most)
     ("blocked: async / blocking", "wall", 0.05),
     ("lost: async / blocking", "wall", 0.1),
     ("lost: async / dcp", "wall", 0.5),
+    ("lost: async / dcp process", "wall", 0.5),
     ("load full: world 3 / world 2", "wall", 1.3),
     ("load full: world 3 / world 2", "cpu", 0.8),
     ("load replicated: world 3 / world 2", "wall", 1.3),
