@@ -280,10 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--comm",
         type=comm_spec,
-        metavar="NAME[:ARG]",
+        metavar="NAME[:ARG...]",
         help="how gradients travel (torchshard.comm): allreduce (today's exact mean), bf16\n"
         "or fp16 (cast on the wire), star[:ROOT] (reduce to one rank, then broadcast),\n"
-        "powersgd[:RANK] (low rank, error feedback; dense for the first 10 steps),\n"
+        "powersgd[:RANK[:START_STEP]] (low rank, error feedback; dense for the first\n"
+        "START_STEP steps, default 10: torch advises about 10% of the run),\n"
         "topk[:RATIO] (the largest RATIO of each bucket, error feedback), topk-noef[:RATIO]\n"
         "(the same without error feedback: an ablation); powersgd and topk need the\n"
         "replicated mode (no --shard) (default: allreduce)",
@@ -349,21 +350,21 @@ def pipeline_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-# --comm NAME[:ARG]: the torchshard.comm class, the keyword ARG sets and its type, and fixed
-# keywords
+# --comm NAME[:ARG...]: the torchshard.comm class, the keywords its ARGs set in order with
+# their types, and fixed keywords
 COMMS = {
-    "allreduce": ("AllReduce", None, None, {}),
-    "bf16": ("BF16", None, None, {}),
-    "fp16": ("FP16", None, None, {}),
-    "star": ("Star", "root", int, {}),
-    "powersgd": ("PowerSGD", "rank", int, {}),
-    "topk": ("TopK", "ratio", float, {}),
-    "topk-noef": ("TopK", "ratio", float, {"error_feedback": False}),
+    "allreduce": ("AllReduce", (), {}),
+    "bf16": ("BF16", (), {}),
+    "fp16": ("FP16", (), {}),
+    "star": ("Star", (("root", int),), {}),
+    "powersgd": ("PowerSGD", (("rank", int), ("start_step", int)), {}),
+    "topk": ("TopK", (("ratio", float),), {}),
+    "topk-noef": ("TopK", (("ratio", float),), {"error_feedback": False}),
 }
 
 
 class CommSpec(NamedTuple):
-    """``--comm NAME[:ARG]`` as given: its text, the name, the keywords it sets."""
+    """``--comm NAME[:ARG...]`` as given: its text, the name, the keywords it sets."""
 
     text: str
     name: str
@@ -371,29 +372,35 @@ class CommSpec(NamedTuple):
 
 
 def comm_spec(text: str) -> CommSpec:
-    """Parse ``--comm NAME[:ARG]``: the syntax only (torchshard checks the value).
+    """Parse ``--comm NAME[:ARG...]``: the syntax only (torchshard checks the values).
 
     >>> comm_spec("powersgd:4").kwargs
     {'rank': 4}
+    >>> comm_spec("powersgd:4:30").kwargs
+    {'rank': 4, 'start_step': 30}
     """
-    name, sep, arg = text.partition(":")
+    name, sep, rest = text.partition(":")
     if name not in COMMS:
         raise argparse.ArgumentTypeError(
             f"expected one of {', '.join(COMMS)}, with :ARG where it takes one, got {text!r}"
         )
-    _, key, kind, fixed = COMMS[name]
-    if not sep:
-        return CommSpec(text, name, dict(fixed))
-    if key is None:
-        raise argparse.ArgumentTypeError(f"{name} takes no argument, got {text!r}")
-    try:
-        value = kind(arg)
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise argparse.ArgumentTypeError(
-            f"{name}:{key.upper()} must be {what}, got {text!r}"
-        ) from None
-    return CommSpec(text, name, {**fixed, key: value})
+    _, keys, fixed = COMMS[name]
+    args = rest.split(":") if sep else []
+    if len(args) > len(keys):
+        if not keys:
+            raise argparse.ArgumentTypeError(f"{name} takes no argument, got {text!r}")
+        form = name + "".join(f"[:{k.upper()}" for k, _ in keys) + "]" * len(keys)
+        raise argparse.ArgumentTypeError(f"expected {form}, got {text!r}")
+    kwargs = dict(fixed)
+    for (key, kind), arg in zip(keys, args):
+        try:
+            kwargs[key] = kind(arg)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(
+                f"{name}:{key.upper()} must be {what}, got {text!r}"
+            ) from None
+    return CommSpec(text, name, kwargs)
 
 
 def make_comm(spec: CommSpec):

@@ -344,10 +344,14 @@ def test_train_gpt_refuses_a_dp_replicate_it_cannot_run(args, says, capsys):
         ("gzip", "expected one of allreduce, bf16, fp16, star, powersgd, topk"),
         ("bf16:2", "bf16 takes no argument, got 'bf16:2'"),
         ("powersgd:four", "powersgd:RANK must be an integer, got 'powersgd:four'"),
+        ("powersgd:4:x", "powersgd:START_STEP must be an integer, got 'powersgd:4:x'"),
+        ("powersgd:4:1:2", "expected powersgd[:RANK[:START_STEP]], got 'powersgd:4:1:2'"),
+        ("star:1:2", "expected star[:ROOT], got 'star:1:2'"),
         ("topk:1%", "topk:RATIO must be a number, got 'topk:1%'"),
         ("powersgd:0", "rank"),  # torchshard's own check, before any launch
         ("topk:1.5", "ratio"),
         ("star:-1", "root"),
+        ("powersgd:4:-1", "start_step"),
     ],
 )
 def test_train_gpt_refuses_a_comm_it_cannot_build(value, says, capsys):
@@ -367,7 +371,7 @@ def test_train_gpt_builds_each_comm_by_name():
         text: train_gpt.parse_args(["--comm", text, "--ckpt-dir", ""]).comm_object
         for text in (
             *("allreduce", "bf16", "fp16", "star:1", "powersgd", "powersgd:8", "topk:0.1"),
-            "topk-noef:0.02",
+            *("powersgd:4:30", "topk-noef:0.02"),
         )
     }
     assert built == {
@@ -377,6 +381,7 @@ def test_train_gpt_builds_each_comm_by_name():
         "star:1": comm.Star(root=1),
         "powersgd": comm.PowerSGD(),
         "powersgd:8": comm.PowerSGD(rank=8),
+        "powersgd:4:30": comm.PowerSGD(rank=4, start_step=30),
         "topk:0.1": comm.TopK(ratio=0.1),
         "topk-noef:0.02": comm.TopK(ratio=0.02, error_feedback=False),
     }
