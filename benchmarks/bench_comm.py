@@ -5,7 +5,7 @@ slower links, computed.
     python benchmarks/bench_comm.py [--steps 20] [--warmup 2]
                                     [--out benchmarks/results/comm.json]
 
-Convergence (the example's final validation loss with each comm, 3 seeds) takes 15 runs of
+Convergence (the example's final validation loss with each comm, 3 seeds) takes 33 runs of
 the example and is a separate script: ``bench_convergence.py``.
 
 One launch per world size (2, 3 and 4 fresh processes, gloo, ``torch.set_num_threads(1)``

@@ -11,8 +11,8 @@ its own interpreter, with the step and round counts below, chosen so that the wh
 in 15 minutes on the project's 2-core machine when nothing else runs there), writes ``run.json`` (this command, each script's wall time, the machine and
 commit), then ``python benchmarks/summary.py --write README.md benchmarks/README.md`` and
 checks the results against the code (``summary.py --stale``: each script records the SHA-256
-of every file it measures). Prints its wall time. bench_convergence.py (15 runs of the example,
-longer than the whole budget) is not run here: ``--stale`` names its result when the code it
+of every file it measures). Prints its wall time. bench_convergence.py (33 runs of the example,
+about twice the whole budget) is not run here: ``--stale`` names its result when the code it
 ran changed, with its own command.
 
 The tables name the commit the results come from, so by default this refuses to run with

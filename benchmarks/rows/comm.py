@@ -194,8 +194,12 @@ def _convergence_cell(r: Results) -> Cell:
         checks.append((label, xs, target))
     ef = list(cmp["ef_vs_noef"].values())
     parts[-1] += f", without error feedback {_vs_dense(cmp, 'topk_noef')}"
-    if "powersgd8" in cmp["vs_dense"]:  # no target: what a higher rank buys
-        parts.insert(2, f"PowerSGD(rank=8) {_vs_dense(cmp, 'powersgd8')}")
+    extra = (  # no targets: what a higher rank, and a longer dense start, buy
+        ("powersgd8", "PowerSGD(rank=8)"),
+        ("powersgd30", "PowerSGD(rank=4, start_step=30: 10% of the run)"),
+    )
+    for at, (name, label) in enumerate((x for x in extra if x[0] in cmp["vs_dense"]), 2):
+        parts.insert(at, f"{label} {_vs_dense(cmp, name)}")
     checks.append(("TopK below no error feedback", ef, 0.0))
     dense = [run["val_loss"] for run in c["runs"]["dense"].values()]
     control = len(c.get("control", {}).get("runs", {}))  # the time below covers its runs too
