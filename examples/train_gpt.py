@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="how gradients travel (torchshard.comm): allreduce (today's exact mean), bf16\n"
         "or fp16 (cast on the wire), star[:ROOT] (reduce to one rank, then broadcast),\n"
         "powersgd[:RANK[:START_STEP]] (low rank, error feedback; dense for the first\n"
-        "START_STEP steps, default 10: torch advises about 10% of the run),\n"
+        "START_STEP steps, default 10: torch advises about 10%% of the run),\n"
         "topk[:RATIO] (the largest RATIO of each bucket, error feedback), topk-noef[:RATIO]\n"
         "(the same without error feedback: an ablation); powersgd and topk need the\n"
         "replicated mode (no --shard) (default: allreduce)",
