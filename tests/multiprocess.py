@@ -529,13 +529,14 @@ def run_python(
     torch._dynamo, torchshard) each time.
 
     The child gets ``env``, ``cwd``, a fresh interpreter's sys.path (first the script's
-    directory, the cwd for ``-m``, '' for ``-c``), sys.argv and ``__main__``, and exits with the code python would (1 and the
-    traceback on an exception), after the atexit functions. Unlike a fresh interpreter it
-    starts with those modules imported, and it leaves by ``os._exit`` after atexit, without
-    the interpreter's finalization: an abort at teardown is for real launches to catch
-    (tests/test_exit.py); so is anything about start-up itself. On a timeout its process
-    group (the program and the processes it started) is killed, with whatever runs below it
-    in other sessions (a launcher's workers), and ``subprocess.TimeoutExpired`` raised.
+    directory, the cwd for ``-m``, '' for ``-c``), sys.argv and ``__main__``, and exits with
+    the code python would (1 and the traceback on an exception), after the atexit functions.
+    Unlike a fresh interpreter it starts with those modules imported, and it leaves by
+    ``os._exit`` after atexit, without the interpreter's finalization: an abort at teardown
+    is for real launches to catch (tests/test_exit.py); so is anything about start-up
+    itself. On a timeout its process group (the program and the processes it started) is
+    killed, with whatever runs below it in other sessions (a launcher's workers), and
+    ``subprocess.TimeoutExpired`` raised.
     """
     args = [sys.executable, *map(str, argv)]
     path = _fresh_sys_path()
