@@ -29,9 +29,7 @@ deleted, then ``sync`` and (where permitted) ``echo 3 > /proc/sys/vm/drop_caches
    blocked time (and step diff) over the time the blocking save's call held the loop, and
    its lost time over the lost time of the blocking loop (and of each DCP loop), in that
    round.
-3. Resume, run from a fresh process of its own (what parts 1 and 2 leave in this one, DCP's
-   checkpoint process and process group among it, made loads at 3 and 4 ranks up to 2.5x
-   slower): save at world 2 (fresh processes, gloo, 1 thread per rank), then --resume-repeats
+3. Resume: save at world 2 (fresh processes, gloo, 1 thread per rank), then --resume-repeats
    rounds of one load at each of world 2, 3, 1 and 4, in an order rotated every round, each
    in fresh processes (a resume starts that way), page cache dropped before it: max over
    ranks of ``checkpoint.load`` (wall and CPU), the CPU of every rank (``process_time``: its
@@ -57,7 +55,6 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -408,15 +405,6 @@ def part_resume(work: Path, cfg: GPTConfig, repeats: int) -> dict:
     return out
 
 
-def int_keys(obj: Any) -> Any:
-    """``obj`` back from JSON with its world sizes as keys: ``{"2": x}`` is ``{2: x}`` again."""
-    if isinstance(obj, dict):
-        return {int(k) if k.isdigit() else k: int_keys(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [int_keys(v) for v in obj]
-    return obj
-
-
 def resume_figures(rounds: list[dict], checkpoint_bytes: int) -> dict:
     """One mode's loads, per world size: max over ranks per round, what ranks read and hold."""
 
@@ -439,8 +427,6 @@ def resume_figures(rounds: list[dict], checkpoint_bytes: int) -> dict:
 # -- 4. peak host memory (one fresh process each) -----------------------------------------------------
 def child(kind: str, opts: argparse.Namespace) -> dict:
     cfg = gpt_config(opts.size_gb, opts.block)
-    if kind == "resume":  # part 3
-        return part_resume(Path(opts.dir), cfg, opts.resume_repeats)
     fm, _, opt = build(cfg)
     work = Path(opts.dir)
     if kind != "load":
@@ -606,11 +592,7 @@ def main() -> None:
         part_s["training"], t0 = now() - t0, now()
         keep = checkpoint.save(work / "keep", fm, step=1, optimizer=opt)  # for the load child
         del fm, opt
-        # in a fresh process, as a resume starts: not in this one, which parts 1 and 2 leave
-        # holding DCP's checkpoint process, a process group and their memory
-        args = ["--size-gb", str(opts.size_gb), "--block", str(opts.block), "--dir", str(work)]
-        args += ["--resume-repeats", str(opts.resume_repeats)]
-        r["resume"] = int_keys(run_child(__file__, ["--child", "resume", *args], timeout=3600))
+        r["resume"] = part_resume(work, cfg, opts.resume_repeats)
         part_s["resume"], t0 = now() - t0, now()
         r["memory"] = part_memory(work, opts, keep)
         part_s["memory"] = now() - t0
