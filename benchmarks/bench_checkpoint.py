@@ -267,7 +267,8 @@ def part_training(fm, opt, work: Path, cfg: GPTConfig, steps: int, repeats: int)
 
     def loop(start) -> dict:
         rec: dict = {"step_s": [], "opt_step_s": [], "fence_wait_s": [], "save_call_s": 0.0}
-        wait, t_start, cpu0 = None, now(), cpu_s(live=True)
+        cpu0 = cpu_s(live=True)  # its /proc scan before the clock starts, and after it stops
+        wait, t_start = None, now()
         for i, xy in enumerate(batches):
             t0 = now()
             opt.zero_grad()
@@ -284,8 +285,9 @@ def part_training(fm, opt, work: Path, cfg: GPTConfig, steps: int, repeats: int)
         t0 = now()
         if wait:
             wait()
+        t_end = now()
         cpu = cpu_s(live=True) - cpu0
-        rec.update(final_wait_s=now() - t0, total_s=now() - t_start, cpu_s=cpu)
+        rec.update(final_wait_s=t_end - t0, total_s=t_end - t_start, cpu_s=cpu)
         return rec
 
     rounds, names = [], list(starts)
