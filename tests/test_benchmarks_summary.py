@@ -386,6 +386,11 @@ def test_the_convergence_row_judges_every_seed_against_its_dense_twin() -> None:
         "topk_noef": [d * 1.05 for d in dense],
     }
     cell, verdict_cell = summary.measured(what, convergence_results(losses))
+    # no rank-8 or longer-start runs: their row says so, and what to run
+    untargeted = row("the same runs for PowerSGD at a higher rank")
+    assert summary.measured(untargeted, convergence_results(losses))[0] == (
+        "no PowerSGD variants in `convergence.json`; rerun bench_convergence.py"
+    )
     assert verdict_cell == (
         "BF16: met (3 of 3 <= 0.5); PowerSGD: unclear (2 of 3 <= 2); TopK: met (3 of 3 <= 3); "
         "TopK below no error feedback: met (3 of 3 <= 0)"
