@@ -285,9 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
         "or fp16 (cast on the wire), star[:ROOT] (reduce to one rank, then broadcast),\n"
         "powersgd[:RANK[:START_STEP]] (low rank, error feedback; dense for the first\n"
         "START_STEP steps, default 10: torch advises about 10%% of the run),\n"
-        "topk[:RATIO] (the largest RATIO of each bucket, error feedback), topk-noef[:RATIO]\n"
-        "(the same without error feedback: an ablation); powersgd and topk need the\n"
-        "replicated mode (no --shard) (default: allreduce)",
+        "topk[:RATIO[:START_STEP]] (the largest RATIO of each bucket, error feedback; dense\n"
+        "for the first START_STEP steps, default 0; error feedback wants some, e.g. 10%%),\n"
+        "topk-noef[:RATIO[:START_STEP]] (the same without error feedback: an ablation);\n"
+        "powersgd and topk need the replicated mode (no --shard) (default: allreduce)",
     )
     p.add_argument(
         "--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)"
@@ -358,8 +359,8 @@ COMMS = {
     "fp16": ("FP16", (), {}),
     "star": ("Star", (("root", int),), {}),
     "powersgd": ("PowerSGD", (("rank", int), ("start_step", int)), {}),
-    "topk": ("TopK", (("ratio", float),), {}),
-    "topk-noef": ("TopK", (("ratio", float),), {"error_feedback": False}),
+    "topk": ("TopK", (("ratio", float), ("start_step", int)), {}),
+    "topk-noef": ("TopK", (("ratio", float), ("start_step", int)), {"error_feedback": False}),
 }
 
 

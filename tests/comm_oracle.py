@@ -164,7 +164,8 @@ class PowerSGDOracle:
 
 class TopKOracle:
     """Top-k with error feedback over every rank's gradients, bucket by bucket: each rank
-    sends its ``k`` largest ``|g + e|``, keeps the rest; the sum in rank order over N."""
+    sends its ``k`` largest ``|g + e|``, keeps the rest; the sum in rank order over N. The
+    first ``start`` steps: the mean, pre-divided, and no error."""
 
     def __init__(
         self,
@@ -173,12 +174,19 @@ class TopKOracle:
         numel: int,
         dtype: torch.dtype,
         feedback: bool = True,
+        start: int = 0,
     ) -> None:
         self.buckets, self.world, self.feedback = buckets, world, feedback  # (start, end, k)
         self.error = torch.zeros(world, numel, dtype=dtype)
+        self.start, self.steps = start, 0
 
     def step(self, every: torch.Tensor) -> torch.Tensor:
         mean = torch.zeros_like(every[0])
+        self.steps += 1
+        if self.steps <= self.start:
+            for w in range(self.world):
+                mean += every[w] * (1.0 / self.world)
+            return mean
         for a, b, k in self.buckets:
             out = torch.zeros(b - a, dtype=every.dtype)
             for w in range(self.world):

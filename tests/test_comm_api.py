@@ -30,6 +30,8 @@ from torchshard.comm import BF16, FP16, AllReduce, CommError, PowerSGD, Star, To
         (lambda: TopK(ratio=-0.1), "ratio"),
         (lambda: TopK(ratio="0.1"), "ratio"),
         (lambda: TopK(error_feedback=1), "error_feedback"),
+        (lambda: TopK(start_step=-1), "start_step"),
+        (lambda: TopK(start_step=2.0), "start_step"),
         (lambda: Star(root=-1), "root"),
     ],
 )

@@ -371,7 +371,7 @@ def test_train_gpt_builds_each_comm_by_name():
         text: train_gpt.parse_args(["--comm", text, "--ckpt-dir", ""]).comm_object
         for text in (
             *("allreduce", "bf16", "fp16", "star:1", "powersgd", "powersgd:8", "topk:0.1"),
-            *("powersgd:4:30", "topk-noef:0.02"),
+            *("powersgd:4:30", "topk-noef:0.02", "topk:0.01:30", "topk-noef:0.01:30"),
         )
     }
     assert built == {
@@ -384,6 +384,8 @@ def test_train_gpt_builds_each_comm_by_name():
         "powersgd:4:30": comm.PowerSGD(rank=4, start_step=30),
         "topk:0.1": comm.TopK(ratio=0.1),
         "topk-noef:0.02": comm.TopK(ratio=0.02, error_feedback=False),
+        "topk:0.01:30": comm.TopK(ratio=0.01, start_step=30),
+        "topk-noef:0.01:30": comm.TopK(ratio=0.01, error_feedback=False, start_step=30),
     }
     assert train_gpt.parse_args(["--ckpt-dir", ""]).comm is None  # the default: no comm= at all
 

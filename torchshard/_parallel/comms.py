@@ -161,15 +161,25 @@ class TopK:
     ranks all-gather every rank's values and indices and sum them. ``shard=False`` only, and
     no tensor parallelism (``tp=1``).
 
+    Error feedback wants a dense start (Lin et al., ICLR 2018, "warm-up training"): what the
+    first steps do not send, many times the size of later gradients, would otherwise crowd
+    out the current ones for about ``1 / ratio`` steps. ``start_step=0`` compresses from the
+    first step, as the systems this project grew from describe it.
+
     Example::
 
         trainer = torchshard.DistributedTrainer(fm, comm=torchshard.comm.TopK(ratio=0.01))
+        comm = torchshard.comm.TopK(ratio=0.01, start_step=30)   # dense for 30 steps first
     """
 
     ratio: float = 0.01
     """The fraction of each bucket's entries sent, in (0, 1] (at least one entry)."""
     error_feedback: bool = True
     """Keep what was not sent for the next step (``False``: drop it, for comparison)."""
+    start_step: int = 0
+    """Synchronized steps (``average_gradients()`` calls) all-reduced densely first, as
+    :attr:`PowerSGD.start_step`; with error feedback, start later than the first steps
+    (on the example, 30 of 300 steps: ``docs/compression.md``)."""
     kind: ClassVar[str] = "compress"
 
     def __post_init__(self) -> None:
@@ -179,6 +189,7 @@ class TopK:
             raise CommError(
                 f"TopK(error_feedback=...): expected True or False, got {self.error_feedback!r}"
             )
+        _int("TopK(start_step=...)", self.start_step, 0)
 
 
 Comm = AllReduce | BF16 | FP16 | Star | PowerSGD | TopK
@@ -312,7 +323,7 @@ def build_comm(comm: Comm, ctx: Any, buckets: tuple[Bucket, ...], dense: BucketC
     if isinstance(comm, PowerSGD):
         return PowerSGDComm(ctx, buckets, dense, comm.rank, comm.start_step, comm.min_compression)
     if isinstance(comm, TopK):
-        return TopKComm(ctx, buckets, comm.ratio, comm.error_feedback)
+        return TopKComm(ctx, buckets, dense, comm.ratio, comm.error_feedback, comm.start_step)
     return dense
 
 

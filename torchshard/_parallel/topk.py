@@ -1,6 +1,7 @@
 """Top-k sparsification with error feedback over replicated buckets (experimental).
 
-Per bucket: ``M = g + e`` (in the error buffer, in place); this rank picks the ``k`` entries
+Dense (the all-reduce) for the first ``start_step`` synchronized steps; then, per bucket:
+``M = g + e`` (in the error buffer, in place); this rank picks the ``k`` entries
 of ``M`` largest in magnitude, keeps the rest as its error (``e = M`` with those entries
 zeroed), and all-gathers values and indices; every rank sums the ranks' entries in rank
 order and divides by the world size. Unlike PowerSGD the result depends on each rank's
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from .buckets import Bucket
-from .comm import ReduceSpec, settled
+from .comm import BucketComm, ReduceSpec, settled
 from .feedback import ErrorFeedback, done
 
 __all__ = ["TopKComm", "topk_count"]
@@ -37,17 +38,25 @@ class TopKComm(ErrorFeedback):
     """The bucket comm of :class:`torchshard.comm.TopK`: per bucket, two all-gathers (the
     values, in the gradient's dtype, and their indices in the bucket, int32) issued in
     the launch; the sum lands at :meth:`flush`. Bytes per bucket: ``world * k * (itemsize
-    + 4)``, what each rank sends and receives.
+    + 4)``, what each rank sends and receives. ``dense``: the comm of the steps before
+    ``start_step``.
 
     Example::
 
-        comm = TopKComm(ctx, buckets, ratio=0.01)
+        comm = TopKComm(ctx, buckets, AllReduce(ctx.mesh), ratio=0.01)
     """
 
     def __init__(
-        self, ctx: Any, buckets: tuple[Bucket, ...], ratio: float, error_feedback: bool = True
+        self,
+        ctx: Any,
+        buckets: tuple[Bucket, ...],
+        dense: BucketComm,
+        ratio: float,
+        error_feedback: bool = True,
+        start_step: int = 0,
     ) -> None:
         super().__init__(ctx)
+        self.dense, self.start_step = dense, start_step
         self.error_feedback = error_feedback
         self.k = {b.index: topk_count(b.elements, ratio) for b in buckets}
         big = max((b.elements for b in buckets), default=0) >= 2**31
@@ -57,7 +66,13 @@ class TopKComm(ErrorFeedback):
 
     @torch.no_grad()
     def launch(self, view: torch.Tensor, spec: ReduceSpec, bucket: Bucket) -> Future[torch.Tensor]:
-        """``M = g + e``; pick, keep the rest as error; all-gather values and indices."""
+        """Dense before ``start_step``; else ``M = g + e``; pick, keep the rest as error;
+        all-gather values and indices."""
+        if self.steps < self.start_step:
+            if self.mesh.size == 1:
+                return done(view)
+            self.payload_bytes += view.numel() * view.element_size()
+            return self.dense.launch(view, spec, bucket)
         error = self.error[bucket.start : bucket.end]
         error.add_(view)  # M = g + e, kept where e was
         k = self.k[bucket.index]
@@ -86,7 +101,11 @@ class TopKComm(ErrorFeedback):
     @torch.no_grad()
     def flush(self) -> int:
         """Wait for the gathers; each bucket's gradient is the ranks' entries summed in rank
-        order, divided by the world size. 0: no bytes cross replicas."""
+        order, divided by the world size (before ``start_step``: the dense comm's flush).
+        0: no bytes cross replicas."""
+        if self.steps < self.start_step:
+            self.steps += 1
+            return getattr(self.dense, "flush", lambda: 0)()
         n = self.mesh.size
         for works, values, indices, view, k in self._gathered:
             for work in works:
