@@ -8,7 +8,7 @@ of the loss curves.
     python benchmarks/bench_convergence.py --plot-only     # redraw from the JSON
 
 Slow: every run is the example's whole run (300 steps), about 50 s on the project's 2
-cores, and there are 33 (7 comms and 4 in the control, x 3 seeds; 30 minutes): not part of
+cores, and there are 39 (9 comms and 4 in the control, x 3 seeds; 36 minutes): not part of
 ``run_all.py``'s 15 minutes. Its results are committed like the others, and ``summary.py
 --stale`` holds them against the code they ran; the cure is this command.
 
@@ -20,8 +20,9 @@ since the last line, to 4 decimals). The comms: ``dense`` (no ``--comm``: the de
 all-reduce), ``bf16``, ``powersgd:4`` (rank 4, dense for its first 10 steps), ``powersgd:8``
 (the same at rank 8: what a higher rank buys), ``powersgd:4:30`` (rank 4, dense for the
 first 30 steps, 10% of the run as torch advises: what a longer warm-up buys), ``topk:0.01``
-and ``topk-noef:0.01`` (the same without error feedback: the ablation). The runs of a seed
-go one after the other, in an order rotated every seed.
+and ``topk-noef:0.01`` (the same without error feedback: the ablation), and both again dense
+for the first 30 steps (``topk:0.01:30``, ``topk-noef:0.01:30``: what a dense start does for
+error feedback). The runs of a seed go one after the other, in an order rotated every seed.
 
 The control: ``dense``, ``powersgd:4``, ``topk:0.01`` and ``topk-noef:0.01`` again with
 ``--optimizer sgd`` (momentum 0.9 at the example's lr for it, 0.1), the optimizer error
@@ -59,6 +60,8 @@ COMMS = {  # name: the example's --comm (None: the default, dense)
     "powersgd30": "powersgd:4:30",
     "topk": "topk:0.01",
     "topk_noef": "topk-noef:0.01",
+    "topk30": "topk:0.01:30",
+    "topk_noef30": "topk-noef:0.01:30",
 }
 LABELS = {
     "dense": "dense (all-reduce)",
@@ -68,6 +71,8 @@ LABELS = {
     "powersgd30": "PowerSGD(rank=4, start_step=30)",
     "topk": "TopK(0.01)",
     "topk_noef": "TopK(0.01), no error feedback",
+    "topk30": "TopK(0.01, start_step=30)",
+    "topk_noef30": "TopK(0.01, start_step=30), no error feedback",
 }
 TARGETS = {"bf16": 0.5, "powersgd": 2.0, "topk": 3.0}  # percent above dense's final loss
 # The control: the same runs under SGD with momentum (the example's --optimizer sgd, its
@@ -120,7 +125,8 @@ def relative(loss: float, dense: float) -> float:
 def compare(runs: dict[str, dict[str, dict]]) -> dict:
     """Per comm, per seed (as in ``runs[comm]``): the final validation loss relative to the
     dense run's of the same seed (percent); TopK with error feedback against without it
-    (percent, negative: better); the dense runs' spread (max - min over seeds, percent of
+    (percent, negative: better), from the first step and with a dense start of 30 steps
+    (``ef_vs_noef30``); the dense runs' spread (max - min over seeds, percent of
     their mean). Seeds where a run failed are left out.
 
     >>> runs = {"dense": {"0": {"val_loss": 2.0}}, "bf16": {"0": {"val_loss": 2.01}}}
@@ -136,8 +142,9 @@ def compare(runs: dict[str, dict[str, dict]]) -> dict:
             out["vs_dense"][name] = {
                 s: round(relative(v, dense[s]), 6) for s, v in by_seed.items() if s in dense
             }
-    ef, noef = ok.get("topk", {}), ok.get("topk_noef", {})
-    out["ef_vs_noef"] = {s: round(relative(v, noef[s]), 6) for s, v in ef.items() if s in noef}
+    for key, ef_name in (("ef_vs_noef", "topk"), ("ef_vs_noef30", "topk30")):
+        ef, noef = ok.get(ef_name, {}), ok.get(ef_name.replace("topk", "topk_noef"), {})
+        out[key] = {s: round(relative(v, noef[s]), 6) for s, v in ef.items() if s in noef}
     if len(dense) >= 2:
         vals = list(dense.values())
         out["dense_spread"] = 100.0 * (max(vals) - min(vals)) / statistics.mean(vals)
@@ -158,7 +165,7 @@ def plot(results: dict, path: Path) -> Path | None:
     runs = results["runs"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6), gridspec_kw={"width_ratios": [3, 3, 2]})
     colors = dict(zip(COMMS, ("black", "tab:blue", "tab:green", "tab:olive", "tab:cyan",
-                              "tab:orange", "tab:red")))  # fmt: skip
+                              "tab:orange", "tab:red", "tab:purple", "tab:pink")))  # fmt: skip
     for name, by_seed in runs.items():
         curves = [r["curve"] for r in by_seed.values() if "curve" in r]
         if not curves:
@@ -189,7 +196,8 @@ def plot(results: dict, path: Path) -> Path | None:
         ax.grid(alpha=0.3)
     if axes[0].lines:
         axes[0].legend(fontsize=8)
-    short = {"powersgd30": "PowerSGD(rank=4) from 30", "topk_noef": "TopK(0.01) no EF"}
+    short = {"powersgd30": "PowerSGD(rank=4) from 30", "topk_noef": "TopK(0.01) no EF",
+             "topk30": "TopK(0.01) from 30", "topk_noef30": "TopK(0.01) no EF from 30"}
     axes[2].set_xticks(range(len(COMMS)), [short.get(c, LABELS[c]) for c in COMMS], rotation=30,
                        ha="right", fontsize=8)  # fmt: skip
     axes[2].grid(alpha=0.3, axis="y")
@@ -215,8 +223,10 @@ def _table(runs: dict, c: dict, names, title: str, targets: dict | None = None) 
                      f"{targets[name]}" if name in targets else "-"))  # fmt: skip
     headers = [f"final validation loss, {title}", "by seed", "vs dense % by seed", "target %"]
     print(format_table(headers, rows, ""))
-    print("TopK with error feedback vs without, % by seed: "
-          + " ".join(f"{d:+.2f}" for d in c["ef_vs_noef"].values()))  # fmt: skip
+    for key, when in (("ef_vs_noef", ""), ("ef_vs_noef30", ", both dense for 30 steps")):
+        if c.get(key):
+            print(f"TopK with error feedback vs without{when}, % by seed: "
+                  + " ".join(f"{d:+.2f}" for d in c[key].values()))  # fmt: skip
     if "dense_spread" in c:
         print(f"dense spread over seeds: {c['dense_spread']:.2f}%")
 

@@ -389,7 +389,7 @@ def test_the_convergence_row_judges_every_seed_against_its_dense_twin() -> None:
     # no rank-8 or longer-start runs: their row says so, and what to run
     untargeted = row("the same runs for PowerSGD at a higher rank")
     assert summary.measured(untargeted, convergence_results(losses))[0] == (
-        "no PowerSGD variants in `convergence.json`; rerun bench_convergence.py"
+        "no runs without targets in `convergence.json`; rerun bench_convergence.py"
     )
     assert verdict_cell == (
         "BF16: met (3 of 3 <= 0.5); PowerSGD: unclear (2 of 3 <= 2); TopK: met (3 of 3 <= 3); "
@@ -422,6 +422,12 @@ def test_the_convergence_control_row_reports_sgd_beside_adamw_without_a_verdict(
         "-",
     )
     assert summary.measured(what, r)[0].endswith("3 seeds x 6 comms, 15 min in all")
+    # TopK dense for 30 steps, with and without error feedback: the seeds where it helps
+    with_start = {**losses, "topk30": [2.1, 2.1, 2.2], "topk_noef30": [2.2, 2.2, 2.2]}
+    assert summary.measured(untargeted, convergence_results(with_start))[0].endswith(
+        "; TopK(0.01, start_step=30) +1.67% (+0.00 to +5.00); without error feedback +4.92% "
+        "(+0.00 to +10.00); error feedback below none on 2 of 3 seeds (-3.03% (-4.55 to +0.00))"
+    )
     cell, verdict_cell = summary.measured(control, r)
     assert cell.startswith("no control runs in `convergence.json` (run with --control '')")
     sgd = {"dense": [2.4, 2.5, 2.6], "powersgd": [2.424, 2.525, 2.626],
@@ -451,6 +457,7 @@ def test_convergence_compares_each_seed_with_the_dense_run_of_that_seed() -> Non
     c = bench_convergence.compare(runs)
     assert c["vs_dense"] == {"topk": {"0": 1.0, "1": 0.0}, "topk_noef": {"0": 2.0}}
     assert c["ef_vs_noef"] == {"0": pytest.approx(100 * (2.02 - 2.04) / 2.04)}
+    assert c["ef_vs_noef30"] == {}  # no runs with a dense start
     assert c["dense_spread"] == pytest.approx(100 * 2.0 / 3.0)
 
 

@@ -210,6 +210,8 @@ def _convergence_cell(r: Results) -> Cell:
 UNTARGETED = (  # no targets: what a higher rank, and a longer dense start, buy
     ("powersgd8", "PowerSGD(rank=8)"),
     ("powersgd30", "PowerSGD(rank=4, start_step=30)"),
+    ("topk30", "TopK(0.01, start_step=30)"),
+    ("topk_noef30", "without error feedback"),
 )
 
 
@@ -217,7 +219,11 @@ def _untargeted_cell(r: Results) -> Cell:
     cmp = r["convergence"]["compare"]
     parts = [f"{label} {_vs_dense(cmp, n)}" for n, label in UNTARGETED if n in cmp["vs_dense"]]
     if not parts:
-        raise Failed("no PowerSGD variants in `convergence.json`; rerun bench_convergence.py")
+        raise Failed("no runs without targets in `convergence.json`; rerun bench_convergence.py")
+    ef = list(cmp.get("ef_vs_noef30", {}).values())
+    if ef:  # error feedback against none, both dense for 30 steps: the sign by seed
+        below = sum(x < 0 for x in ef)
+        parts.append(f"error feedback below none on {below} of {len(ef)} seeds ({_signed(ef)})")
     return f"vs dense, the mean over seeds (range): {'; '.join(parts)}", "-"
 
 
@@ -296,7 +302,8 @@ ROWS = (
     ),
     Row(
         "the same runs for PowerSGD at a higher rank and with a longer dense start (torch's "
-        "advice: 10% of the run), without targets",
+        "advice: 10% of the run), and for TopK with and without error feedback, dense for the "
+        "first 30 steps (10%), without targets",
         "measured, paired by seed",
         _untargeted_cell,
         "-",
