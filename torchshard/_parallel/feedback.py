@@ -38,8 +38,10 @@ class ErrorFeedback:
     runs_alone: ClassVar[bool] = True
     fuses_mask: ClassVar[bool] = False  # the used-parameter mask never rides a lossy wire
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: Any, dense: Any, start_step: int) -> None:
         self.mesh = ctx.mesh
+        self.dense, self.start_step = dense, start_step
+        """The comm of the first ``start_step`` synchronized steps (a dense start)."""
         self.error = torch.zeros_like(ctx.grad)
         """This rank's error feedback: what it did not send, by gradient-space offset."""
         self.steps = 0
@@ -47,6 +49,26 @@ class ErrorFeedback:
         self.payload_bytes = 0
         """Bytes handed to collectives so far (an all-gather: its output, what each rank
         sends and receives)."""
+
+    def launch_dense(
+        self, view: torch.Tensor, spec: Any, bucket: Any
+    ) -> Future[torch.Tensor] | None:
+        """Before ``start_step``: the dense comm's launch (in a world of one, nothing to
+        send); ``None`` once the comm compresses."""
+        if self.steps >= self.start_step:
+            return None
+        if self.mesh.size == 1:
+            return done(view)
+        self.payload_bytes += view.numel() * view.element_size()
+        return self.dense.launch(view, spec, bucket)
+
+    def flush_dense(self) -> int | None:
+        """Before ``start_step``: count the step and flush the dense comm (its bytes across
+        replicas); ``None`` once the comm compresses."""
+        if self.steps >= self.start_step:
+            return None
+        self.steps += 1
+        return getattr(self.dense, "flush", lambda: 0)()
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         """The subclass's own state tensors, by name (live buffers)."""

@@ -116,8 +116,7 @@ class PowerSGDComm(ErrorFeedback):
         start_step: int,
         min_compression: float = 2.0,
     ) -> None:
-        super().__init__(ctx)
-        self.dense, self.start_step = dense, start_step
+        super().__init__(ctx, dense, start_step)
         layout = ctx.fm.layout
         in_grad = dict(zip(layout.trainable, layout.grad_layout.slots))
         shapes = {i: compressed_shape(g.shape, rank, min_compression) for i, g in in_grad.items()}
@@ -158,12 +157,9 @@ class PowerSGDComm(ErrorFeedback):
     def launch(self, view: torch.Tensor, spec: ReduceSpec, bucket: Bucket) -> Future[torch.Tensor]:
         """Dense before ``start_step``; else ``M = g + e``, ``P = M Q``, and the all-reduce of
         ``P`` and the dense parts (the second stage of the bucket before it follows)."""
+        if (dense := self.launch_dense(view, spec, bucket)) is not None:
+            return dense
         alone = self.mesh.size == 1
-        if self.steps < self.start_step:
-            if alone:
-                return done(view)
-            self.payload_bytes += view.numel() * view.element_size()
-            return self.dense.launch(view, spec, bucket)
         plan = self.plans[bucket.index]
         error = self.error[bucket.start : bucket.end]
         pack = torch.empty(plan.p_numel + plan.dense_numel, dtype=view.dtype, device=view.device)

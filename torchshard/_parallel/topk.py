@@ -55,8 +55,7 @@ class TopKComm(ErrorFeedback):
         error_feedback: bool = True,
         start_step: int = 0,
     ) -> None:
-        super().__init__(ctx)
-        self.dense, self.start_step = dense, start_step
+        super().__init__(ctx, dense, start_step)
         self.error_feedback = error_feedback
         self.k = {b.index: topk_count(b.elements, ratio) for b in buckets}
         big = max((b.elements for b in buckets), default=0) >= 2**31
@@ -68,11 +67,8 @@ class TopKComm(ErrorFeedback):
     def launch(self, view: torch.Tensor, spec: ReduceSpec, bucket: Bucket) -> Future[torch.Tensor]:
         """Dense before ``start_step``; else ``M = g + e``; pick, keep the rest as error;
         all-gather values and indices."""
-        if self.steps < self.start_step:
-            if self.mesh.size == 1:
-                return done(view)
-            self.payload_bytes += view.numel() * view.element_size()
-            return self.dense.launch(view, spec, bucket)
+        if (dense := self.launch_dense(view, spec, bucket)) is not None:
+            return dense
         error = self.error[bucket.start : bucket.end]
         error.add_(view)  # M = g + e, kept where e was
         k = self.k[bucket.index]
@@ -103,9 +99,8 @@ class TopKComm(ErrorFeedback):
         """Wait for the gathers; each bucket's gradient is the ranks' entries summed in rank
         order, divided by the world size (before ``start_step``: the dense comm's flush).
         0: no bytes cross replicas."""
-        if self.steps < self.start_step:
-            self.steps += 1
-            return getattr(self.dense, "flush", lambda: 0)()
+        if (sent := self.flush_dense()) is not None:
+            return sent
         n = self.mesh.size
         for works, values, indices, view, k in self._gathered:
             for work in works:
