@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import free_port, run_distributed
+from multiprocess import free_port, run_distributed, run_python
 
 import torchshard
 from torchshard import checkpoint
@@ -47,7 +47,8 @@ def torchrun(out: Path, *args: str, restarts: int = 1) -> subprocess.CompletedPr
         *(WORKER, str(out), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *args),
     ]
     out.mkdir(parents=True)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
+    # the agent: a preloaded fork (tests/multiprocess.py); torchrun starts its workers afresh
+    return run_python(cmd[1:], HERE, clean_env())
 
 
 def final_state(out: Path) -> dict[str, bytes]:

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from models import Blocks
-from multiprocess import run_distributed
+from multiprocess import run_distributed, run_python
 from test_parallel_launch import clean_env, torchrun
 from torch import nn
 
@@ -97,9 +97,9 @@ def _run(script: str, tmp_path: Path, nproc: int, *extra: str) -> subprocess.Com
     path = tmp_path / "script.py"
     path.write_text(textwrap.dedent(script))
     cmd = torchrun("--standalone", "--nproc-per-node", str(nproc), *extra, str(path))
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=180, env=clean_env(), cwd=tmp_path
-    )
+    # the agent: a preloaded fork (tests/multiprocess.py); its workers, whose exit is tested
+    # here, are fresh interpreters that torchrun starts
+    return run_python(cmd[1:], tmp_path, clean_env(), timeout=180)
 
 
 QUICKSTART = """

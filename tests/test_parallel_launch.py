@@ -117,7 +117,7 @@ def test_without_a_launcher_it_is_a_world_of_one(tmp_path):
 def test_example_stops_and_resumes_at_another_world_size(tmp_path):
     ckpt = ["--ckpt-dir", str(tmp_path), "--save-every", "10"]
     first = torchrun("--standalone", "--nproc-per-node", "2", EXAMPLE, *SMALL, *ckpt)
-    out = subprocess.run(first, capture_output=True, text=True, timeout=240, env=clean_env())
+    out = run_python(first[1:], ROOT, clean_env())
     check_run(out, world=2)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000020", "step-00000030"]
     longer = small(steps=40, log_every=5)
@@ -125,7 +125,7 @@ def test_example_stops_and_resumes_at_another_world_size(tmp_path):
     again = torchrun(
         "--standalone", "--nproc-per-node", "3", EXAMPLE, *longer, *ckpt, "--resume", "--shard"
     )
-    out = subprocess.run(again, capture_output=True, text=True, timeout=240, env=clean_env())
+    out = run_python(again[1:], ROOT, clean_env())
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     assert "resumed from" in text and "step-00000030 (saved at world size 2" in text, text
@@ -197,7 +197,7 @@ def test_example_fully_sharded_in_bf16_resumes_sharded_at_another_world_size(tmp
     ckpt = ["--ckpt-dir", str(tmp_path), "--save-every", "10"]
     full = ["--shard", "full", "--bf16"]
     first = torchrun("--standalone", "--nproc-per-node", "2", EXAMPLE, *SMALL, *ckpt, *full)
-    out = subprocess.run(first, capture_output=True, text=True, timeout=240, env=clean_env())
+    out = run_python(first[1:], ROOT, clean_env())
     check_run(out, world=2)
     assert "fully sharded" in out.stdout + out.stderr
     longer = small(steps=40, log_every=5)
@@ -212,7 +212,7 @@ def test_example_fully_sharded_in_bf16_resumes_sharded_at_another_world_size(tmp
         "--shard",
         "--bf16",
     )
-    out = subprocess.run(again, capture_output=True, text=True, timeout=240, env=clean_env())
+    out = run_python(again[1:], ROOT, clean_env())
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     assert "step-00000030 (saved at world size 2" in text, text
