@@ -491,7 +491,10 @@ def _python(
     how = argv[0] if argv[0] in ("-c", "-m") else "script"
     # python puts the script's directory first on sys.path, the cwd for -m, '' for -c
     first = {"script": os.path.dirname(os.path.abspath(argv[0])), "-m": os.getcwd(), "-c": ""}
-    sys.path[:] = [first[how], *path[1:]]
+    # then PYTHONPATH's entries as site leaves them: absolute ('' is the cwd), each once
+    extra = [os.path.abspath(d or ".") for d in env.get("PYTHONPATH", "").split(os.pathsep)]
+    extra = [d for d in dict.fromkeys(extra) if d not in path]
+    sys.path[:] = [first[how], *extra, *path[1:]]
     sys.argv[:] = argv if how == "script" else [how, *argv[2:]]  # -m: runpy sets argv[0]
     status = 0
     try:
@@ -529,7 +532,8 @@ def run_python(
     torch._dynamo, torchshard) each time.
 
     The child gets ``env``, ``cwd``, a fresh interpreter's sys.path (first the script's
-    directory, the cwd for ``-m``, '' for ``-c``), sys.argv and ``__main__``, and exits with
+    directory, the cwd for ``-m``, '' for ``-c``, then ``env``'s PYTHONPATH), sys.argv and
+    ``__main__``, and exits with
     the code python would (1 and the traceback on an exception), after the atexit functions.
     Unlike a fresh interpreter it starts with those modules imported, and it leaves by
     ``os._exit`` after atexit, without the interpreter's finalization: an abort at teardown

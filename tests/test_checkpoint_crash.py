@@ -27,7 +27,7 @@ from checkpoint_harness import (
     target,
     tree_diff,
 )
-from multiprocess import run_distributed
+from multiprocess import run_distributed, run_python
 
 import torchshard
 from torchshard import checkpoint
@@ -179,13 +179,9 @@ def run_script(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     env["PYTHONPATH"] = os.pathsep.join(
         [str(EXAMPLES), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
-    return subprocess.run(
-        [sys.executable, "-c", script, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
+    # a preloaded fork (tests/multiprocess.py): what is tested is the files a killed or
+    # starved save leaves, not the interpreter's start
+    return run_python(["-c", script, *args], Path.cwd(), env, timeout=90)
 
 
 def assert_loads_as_saved(root: Path, expected: Path, step: int) -> None:

@@ -271,6 +271,25 @@ def test_run_python_is_what_python_does(tmp_path: Path, how: str, run: str) -> N
     assert (code.returncode, code.stdout) == (0, "['-c', 'x'] True\n"), code
 
 
+def test_run_python_puts_pythonpath_where_python_does(tmp_path: Path) -> None:
+    """PYTHONPATH's entries come after the first entry and before the standard library,
+    absolute ('' is the cwd), each once; python itself is the oracle (``-c`` without torch:
+    a fresh start is cheap)."""
+    for d, value in (("a", "from a"), ("b", "from b")):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "probe_mod.py").write_text(f"WHERE = {value!r}\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join(["a", "", str(tmp_path / "b"), str(tmp_path / "a")])
+    code = "import sys, probe_mod; print(probe_mod.WHERE, sys.path[1:4])"
+    want = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    got = run_python(["-c", code], tmp_path, env)
+    assert want.returncode == 0, want.stderr
+    assert want.stdout.startswith("from a ") and str(tmp_path / "b") in want.stdout, want
+    assert (got.returncode, got.stdout) == (0, want.stdout), (got, want)
+
+
 def test_run_python_kills_what_it_started_on_a_timeout(tmp_path: Path) -> None:
     """What the program forked dies with it, in its process group or in a session of its
     own (as torchrun starts its workers)."""
