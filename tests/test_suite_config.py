@@ -1,5 +1,6 @@
-"""The suite's own guards: a misspelt marker is an error, and a venv without pytest-timeout
-stops at start (without it every timeout is inert and a hung collective hangs the run)."""
+"""The suite's own guards: a misspelt marker is an error, a venv without pytest-timeout
+stops at start (without it every timeout is inert and a hung collective hangs the run), and
+the project's bytecode is written before the tests start processes."""
 
 from __future__ import annotations
 
@@ -40,3 +41,29 @@ def test_the_suite_stops_at_start_without_the_timeout_plugin() -> None:
     assert run.returncode == 4, run.stdout + run.stderr
     assert "pytest-timeout: expected the plugin" in run.stdout + run.stderr
     assert "test_flat_layout.py::" not in run.stdout  # nothing collected, let alone run
+
+
+def test_the_projects_bytecode_is_written_before_the_tests_run() -> None:
+    """conftest.py compiled every module of torchshard/ and examples/ at start (the fresh
+    interpreters the launch tests start would compile them again where
+    PYTHONDONTWRITEBYTECODE is set); each cached file is current as python checks it (the
+    source's mtime and size, or its hash)."""
+    import importlib.util
+
+    stale = []
+    sources = [*(ROOT / "torchshard").rglob("*.py"), *(ROOT / "examples").glob("*.py")]
+    for source in sorted(sources):
+        cached = Path(importlib.util.cache_from_source(str(source)))
+        header = cached.read_bytes()[:16] if cached.exists() else b""
+        flags, st = int.from_bytes(header[4:8], "little"), source.stat()
+        if flags == 0:  # timestamp-checked: the source's mtime and size
+            current = header[8:16] == (
+                (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
+                + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")
+            )
+        else:  # hash-checked (compileall's default when SOURCE_DATE_EPOCH is set)
+            current = header[8:16] == importlib.util.source_hash(source.read_bytes())
+        current = current and len(header) == 16
+        if not current:
+            stale.append(str(source.relative_to(ROOT)))
+    assert not stale, f"no current bytecode for {stale}"
