@@ -103,13 +103,13 @@ def _compile_sources(config: pytest.Config) -> None:
     is set, as on the CI machines: about 0.5 CPU-s a worker, measured on a 2-rank launch of
     the example. Python reads the cached bytecode all the same and checks it against each
     source's mtime and size, as on any machine without that variable; the installed
-    packages (torch, transformers) have theirs from pip. A read-only tree is left as it is."""
+    packages (torch, transformers) have theirs from pip. A file it cannot write it skips."""
     if hasattr(config, "workerinput"):  # an xdist worker: the controller did it
         return
     import compileall
 
     root = Path(__file__).resolve().parent.parent
-    for name in _SOURCES:  # a file it cannot write it reports as failed, and skips
+    for name in _SOURCES:
         compileall.compile_dir(root / name, quiet=2)
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -50,6 +52,8 @@ def test_the_projects_bytecode_is_written_before_the_tests_run() -> None:
     source's mtime and size, or its hash)."""
     import importlib.util
 
+    if not os.access(ROOT / "torchshard", os.W_OK):
+        pytest.skip("a read-only tree: no bytecode can be written there")
     stale = []
     sources = [*(ROOT / "torchshard").rglob("*.py"), *(ROOT / "examples").glob("*.py")]
     for source in sorted(sources):
