@@ -7,9 +7,9 @@ of the loss curves.
                                            [--plot benchmarks/comm-loss.png]
     python benchmarks/bench_convergence.py --plot-only     # redraw from the JSON
 
-Slow: every run is the example's whole run (300 steps), about 50 s on the project's 2
-cores, and there are 39 (9 comms and 4 in the control, x 3 seeds; 36 minutes): not part of
-``run_all.py``'s 15 minutes. Its results are committed like the others, and ``summary.py
+Slow: every run is the example's whole run (300 steps), about a minute on the project's 2
+cores (the result records each run's wall time), and there are 39 (9 comms and 4 in the
+control, x 3 seeds), about three times ``run_all.py``'s 15-minute budget: not part of it. Its results are committed like the others, and ``summary.py
 --stale`` holds them against the code they ran; the cure is this command.
 
 Each run is the README's command with a seed and a comm, nothing else changed:
@@ -122,6 +122,11 @@ def relative(loss: float, dense: float) -> float:
     return 100.0 * (loss - dense) / dense
 
 
+# TopK's ablation: (key in compare's output, with error feedback, without), both from the
+# first step and with a dense start of 30 steps
+EF_PAIRS = (("ef_vs_noef", "topk", "topk_noef"), ("ef_vs_noef30", "topk30", "topk_noef30"))
+
+
 def compare(runs: dict[str, dict[str, dict]]) -> dict:
     """Per comm, per seed (as in ``runs[comm]``): the final validation loss relative to the
     dense run's of the same seed (percent); TopK with error feedback against without it
@@ -142,8 +147,8 @@ def compare(runs: dict[str, dict[str, dict]]) -> dict:
             out["vs_dense"][name] = {
                 s: round(relative(v, dense[s]), 6) for s, v in by_seed.items() if s in dense
             }
-    for key, ef_name in (("ef_vs_noef", "topk"), ("ef_vs_noef30", "topk30")):
-        ef, noef = ok.get(ef_name, {}), ok.get(ef_name.replace("topk", "topk_noef"), {})
+    for key, ef_name, noef_name in EF_PAIRS:
+        ef, noef = ok.get(ef_name, {}), ok.get(noef_name, {})
         out[key] = {s: round(relative(v, noef[s]), 6) for s, v in ef.items() if s in noef}
     if len(dense) >= 2:
         vals = list(dense.values())
