@@ -9,11 +9,11 @@ bench_comm.py, bench_checkpoint.py, scale.py, bench_lora.py, bench_mixed.py, ben
 bench_pipeline.py one after the other (each in its own interpreter, with the step and round
 counts below, chosen for a 15-minute budget on the project's 2-core machine when nothing else
 runs there; it says when a run goes over), writes ``run.json`` (this command, each script's
-wall time, the machine and commit), then ``python benchmarks/summary.py --write README.md benchmarks/README.md`` and
-checks the results against the code (``summary.py --stale``: each script records the SHA-256
-of every file it measures). Prints its wall time. bench_convergence.py (39 runs of the example,
-about three times the budget) is not run here: ``--stale`` names its result when the code it
-ran changed, with its own command.
+wall time, the machine and commit), then ``python benchmarks/summary.py --write README.md
+benchmarks/README.md`` and checks the results against the code (``summary.py --stale``:
+each script records the SHA-256 of every file it measures). Prints its wall time.
+bench_convergence.py (39 runs of the example, about three times the budget) is not run here:
+``--stale`` names its result when the code it ran changed, with its own command.
 
 The tables name the commit the results come from, so by default this refuses to run with
 uncommitted changes under torchshard/, examples/ or benchmarks/ (``--allow-dirty`` runs
