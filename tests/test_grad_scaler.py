@@ -94,3 +94,24 @@ def test_step_with_a_scaler_unscales_when_unscale_was_not_called():
         if q.requires_grad:
             torch.testing.assert_close(b - p, 0.1 * q.grad, rtol=1e-5, atol=1e-7)
     trainer.close()
+
+
+def _one_step(scaler: torch.amp.GradScaler | None) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    fm = FlatParamModule(LoRANet())
+    trainer = DistributedTrainer(fm)
+    trainer.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    before = fm.flat_param.detach().clone()
+    loss = F.mse_loss(fm(data(0, 0)[0]), data(0, 0)[1])
+    (loss if scaler is None else scaler.scale(loss)).backward()
+    trainer.step(scaler)
+    out = fm.flat_param.detach().clone()
+    trainer.close()
+    return before, out
+
+
+def test_step_with_a_disabled_scaler_is_a_plain_step():
+    # GradScaler(enabled=use_fp16) is the usual pattern: disabled, it keeps no state to agree on
+    before, disabled = _one_step(torch.amp.GradScaler("cpu", enabled=False))
+    assert torch.equal(disabled, _one_step(None)[1])
+    assert not torch.equal(disabled, before)  # it stepped

@@ -25,7 +25,10 @@ def _state(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> di
 
 
 def agreed_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether :func:`agree_on_inf` ran for ``optimizer`` since the scaler's last update."""
+    """Whether :func:`agree_on_inf` ran for ``optimizer`` since the scaler's last update
+    (``True`` for a disabled scaler, ``GradScaler(enabled=False)``: nothing to agree on)."""
+    if not scaler.is_enabled():  # it keeps no per-optimizer state
+        return True
     return bool(_state(scaler, optimizer).get(_AGREED))
 
 
