@@ -373,3 +373,16 @@ def reset_comm_error(sync: object) -> None:
     fb = _feedback(sync)
     if fb is not None:
         fb.reset_error()
+
+
+def comm_unscaled(sync: object, scaler: Any, found_inf: torch.Tensor) -> None:
+    """``trainer.unscale_(scaler)``, after the ranks agreed on ``found_inf``: an error
+    feedback forgets an overflow and follows the loss scale (``ErrorFeedback.unscaled``).
+
+    Example::
+
+        comm_unscaled(trainer_reducer, scaler, torch.zeros(()))
+    """
+    fb = _feedback(sync)
+    if fb is not None:
+        fb.unscaled(scaler, found_inf)

@@ -13,6 +13,16 @@ from .comm import CommError
 __all__ = ["ErrorFeedback", "done"]
 
 
+def _scale_of(scaler: Any, device: torch.device) -> torch.Tensor:
+    """A ``torch.amp.GradScaler``'s loss scale as a 0-d float32 tensor on ``device``, without
+    a host sync (its ``_scale`` tensor, which torch's own sharded scalers read too;
+    ``get_scale()`` returns a float and syncs)."""
+    scale = getattr(scaler, "_scale", None)
+    if not isinstance(scale, torch.Tensor):
+        scale = torch.tensor(scaler.get_scale(), dtype=torch.float32)
+    return scale.to(device=device, dtype=torch.float32)
+
+
 def done(result: torch.Tensor) -> Future[torch.Tensor]:
     """A future already completed with ``result`` (nothing to wait for: a world of one).
 
@@ -49,12 +59,54 @@ class ErrorFeedback:
         self.payload_bytes = 0
         """Bytes handed to collectives so far (an all-gather: its output, what each rank
         sends and receives)."""
+        self._scaler: Any = None  # the GradScaler whose loss scale the error follows
+        self._units = torch.ones((), dtype=torch.float32, device=ctx.device)  # its scale now
+        self._rescale = False  # the first launch of the next step rescales the error
+
+    def unscaled(self, scaler: Any, found_inf: torch.Tensor) -> None:
+        """After ``trainer.unscale_(scaler)``, with the flag the ranks agreed on (``found_inf``
+        > 0: some rank's gradient held an inf or NaN, and the step is skipped).
+
+        The error holds gradients at the loss scale of the backward that kept them. After an
+        overflow it holds the inf or NaN too, and so may the comm's other state:
+        :meth:`overflowed` forgets it, or every later step would be skipped. Otherwise the
+        next step's first launch multiplies the error by the scale ``scaler.update()`` set
+        over the one it is in, so that it adds to gradients at their own scale.
+
+        Example::
+
+            comm.unscaled(scaler, torch.zeros(()))   # no overflow this step
+        """
+        if found_inf.item() > 0:  # a host sync, as ``scaler.step`` has on the same flag
+            self.overflowed()
+        if self._scaler is not scaler:
+            self._scaler = scaler
+            self._units = _scale_of(scaler, self.error.device).clone()
+        self._rescale = True
+
+    def overflowed(self) -> None:
+        """A skipped step's gradient held an inf or NaN, and the error took it in: zero it
+        (what earlier steps held back is lost with the step). Subclasses reset their own
+        state too."""
+        self.error.zero_()
+
+    def _follow_scale(self) -> None:
+        """Bring the error to the loss scale its scaler holds now (see :meth:`unscaled`)."""
+        if self._scaler is None:
+            return
+        now = _scale_of(self._scaler, self.error.device)
+        self.error.mul_((now / self._units).to(self.error.dtype))
+        self._units.copy_(now)
+        self._rescale = False
 
     def launch_dense(
         self, view: torch.Tensor, spec: Any, bucket: Any
     ) -> Future[torch.Tensor] | None:
         """Before ``start_step``: the dense comm's launch (in a world of one, nothing to
-        send); ``None`` once the comm compresses."""
+        send); ``None`` once the comm compresses. Every launch calls it first: the first of a
+        step after ``trainer.unscale_`` brings the error to the new loss scale."""
+        if self._rescale:
+            self._follow_scale()
         if self.steps >= self.start_step:
             return None
         if self.mesh.size == 1:
@@ -82,6 +134,7 @@ class ErrorFeedback:
 
             saved = {k: v.clone() for k, v in comm.state().items()}
         """
+        self._follow_scale()  # saved at the scale a restored scaler resumes with
         steps = torch.tensor(self.steps, dtype=torch.int64)
         return {"error": self.error, "steps": steps, **self.extra_state()}
 

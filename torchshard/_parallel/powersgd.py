@@ -69,6 +69,12 @@ def orthogonalize(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
+def _first_q(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The first ``Q`` buffer: ``numel`` normal draws from :data:`SEED` on a CPU generator."""
+    draw = torch.Generator().manual_seed(SEED)
+    return torch.randn(numel, generator=draw, dtype=dtype).to(device)
+
+
 @dataclass(frozen=True)
 class _Matrix:
     """One compressed parameter of a bucket: at ``at`` of the bucket's view, ``n x m``,
@@ -143,8 +149,7 @@ class PowerSGDComm(ErrorFeedback):
             q0 = min((x.q for x in mats), default=0)
             q1 = max((x.q + x.m * x.r for x in mats), default=0)
             self.plans[b.index] = _Plan(tuple(mats), tuple(ranges), p_at, d, (q0, q1))
-        draw = torch.Generator().manual_seed(SEED)
-        self.q = torch.randn(q_at, generator=draw, dtype=ctx.grad.dtype).to(ctx.device)
+        self.q = _first_q(q_at, ctx.grad.dtype, ctx.device)
         """Every compressed parameter's ``Q`` (``m x r``, row-major), by slot."""
         # P all-reduced, not Q yet: (work, pack, view, error, plan, spec); then Q's
         self._p: list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, _Plan, ReduceSpec]] = []
@@ -152,6 +157,12 @@ class PowerSGDComm(ErrorFeedback):
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         return {"powersgd_q": self.q}
+
+    def overflowed(self) -> None:
+        """The error and ``Q`` took in a skipped step's inf or NaN: both start over (``Q``
+        from its first draw, the same on every rank)."""
+        super().overflowed()
+        self.q.copy_(_first_q(self.q.numel(), self.q.dtype, self.q.device))
 
     @torch.no_grad()
     def launch(self, view: torch.Tensor, spec: ReduceSpec, bucket: Bucket) -> Future[torch.Tensor]:

@@ -37,18 +37,19 @@ def agree_on_inf(
     optimizer: torch.optim.Optimizer,
     mesh: Mesh1D,
     device: torch.device,
-) -> None:
+) -> torch.Tensor | None:
     """After ``scaler.unscale_(optimizer)`` on every rank: one MAX all-reduce of the rank's
     found-inf flag; every device's flag becomes the agreed one (a rank with no gradients of
     its own, e.g. an empty slice, gets a flag, so ``step`` and ``update`` have one to read).
+    Returns the agreed flag (> 0: skip the step), ``None`` for a disabled scaler.
 
     Example::
 
         scaler.unscale_(opt)
-        agree_on_inf(scaler, opt, trainer_mesh, device)
+        found = agree_on_inf(scaler, opt, trainer_mesh, device)
     """
     if not scaler.is_enabled():
-        return
+        return None
     state = _state(scaler, optimizer)
     found: dict[torch.device, torch.Tensor] = state["found_inf_per_device"]
     flag = torch.zeros((), dtype=torch.float32, device=device)
@@ -61,3 +62,4 @@ def agree_on_inf(
     for d in list(found):
         found[d] = flag.to(d)
     state[_AGREED] = True
+    return flag

@@ -17,7 +17,7 @@ from .._flat.module import FlatParamModule
 from .._log import get_logger
 from .._stepped import allow, forbid, held_state_bytes
 from .comm import Mesh1D
-from .comms import Comm, check_comm, comm_state, load_comm_state, reset_comm_error
+from .comms import Comm, check_comm, comm_state, comm_unscaled, load_comm_state, reset_comm_error
 from .mesh import Mesh, split_dp
 from .mode import Mode, Segment, clip_grad_norm, wire_gradients
 from .modes import Choice, choose, entry_for
@@ -413,7 +413,9 @@ class DistributedTrainer:
     def unscale_(self, scaler: torch.amp.GradScaler) -> None:
         """``scaler.unscale_(optimizer)`` on every rank at once: each rank checks the gradients
         it holds (its slice or stripes when sharded) and the ranks agree, so an inf or NaN
-        that any rank finds makes every rank skip :meth:`step` and lower the scale.
+        that any rank finds makes every rank skip :meth:`step` and lower the scale. A lossy
+        :attr:`comm`'s error feedback forgets an overflow (it holds the inf too) and follows
+        the scale from step to step.
 
         Example::
 
@@ -430,7 +432,9 @@ class DistributedTrainer:
         """
         self._averaged_for("unscale_()")
         scaler.unscale_(self._optimizer)
-        agree_on_inf(scaler, self._optimizer, self._mesh, self.device)
+        found = agree_on_inf(scaler, self._optimizer, self._mesh, self.device)
+        if found is not None:  # a lossy comm's error forgets an overflow, follows the scale
+            comm_unscaled(self._reducer, scaler, found)
 
     def gather_slices(self) -> None:
         """After this rank's part was changed other than by :meth:`step` (e.g. by a load):
