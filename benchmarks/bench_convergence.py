@@ -9,8 +9,9 @@ of the loss curves.
 
 Slow: every run is the example's whole run (300 steps), about a minute on the project's 2
 cores (the result records each run's wall time), and there are 39 (9 comms and 4 in the
-control, x 3 seeds), about three times ``run_all.py``'s 15-minute budget: not part of it. Its results are committed like the others, and ``summary.py
---stale`` holds them against the code they ran; the cure is this command.
+control, x 3 seeds): 40 to 50 minutes, not part of ``run_all.py``. Its results are committed
+like the others, and ``summary.py --stale`` holds them against the code they ran; the cure is
+this command.
 
 Each run is the README's command with a seed and a comm, nothing else changed:
 ``torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --seed S [--comm C]
@@ -201,8 +202,12 @@ def plot(results: dict, path: Path) -> Path | None:
         ax.grid(alpha=0.3)
     if axes[0].lines:
         axes[0].legend(fontsize=8)
-    short = {"powersgd30": "PowerSGD(rank=4) from 30", "topk_noef": "TopK(0.01) no EF",
-             "topk30": "TopK(0.01) from 30", "topk_noef30": "TopK(0.01) no EF from 30"}
+    short = {
+        "powersgd30": "PowerSGD(rank=4) from 30",
+        "topk_noef": "TopK(0.01) no EF",
+        "topk30": "TopK(0.01) from 30",
+        "topk_noef30": "TopK(0.01) no EF from 30",
+    }
     axes[2].set_xticks(range(len(COMMS)), [short.get(c, LABELS[c]) for c in COMMS], rotation=30,
                        ha="right", fontsize=8)  # fmt: skip
     axes[2].grid(alpha=0.3, axis="y")

@@ -345,7 +345,10 @@ def pipeline_problem(args: argparse.Namespace) -> str | None:
         if on
     ]
     if clash:
-        return f"pipeline stages do not run with {', '.join(clash)} yet (--microbatches for accumulation)"
+        return (
+            f"pipeline stages do not run with {', '.join(clash)} yet "
+            "(--microbatches for accumulation)"
+        )
     if args.microbatches is not None and args.microbatches < 1:
         return f"--microbatches: expected >= 1, got {args.microbatches}"
     return None
