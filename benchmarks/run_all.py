@@ -11,8 +11,8 @@ counts below, chosen for a 15-minute budget on the project's 2-core machine when
 runs there; it says when a run goes over), writes ``run.json`` (this command, each script's
 wall time, the machine and commit), then ``python benchmarks/summary.py --write README.md
 benchmarks/README.md`` and checks the results against the code (``summary.py --stale``:
-each script records the SHA-256 of every file it measures). Prints its wall time.
-bench_convergence.py (39 runs of the example, about three times the budget) is not run here:
+each script records a hash of the code of every file it measures). Prints its wall time.
+bench_convergence.py (39 runs of the example, three to five times the budget) is not run here:
 ``--stale`` names its result when the code it ran changed, with its own command.
 
 The tables name the commit the results come from, so by default this refuses to run with

@@ -5,6 +5,7 @@
     python benchmarks/summary.py --check README.md benchmarks/README.md # exit 1 if one is stale
     python benchmarks/summary.py --stale                                # exit 1 if a result is
                                                                         # older than its code
+    python benchmarks/summary.py --rehash                               # byte hashes -> code
     python benchmarks/summary.py --results DIR ...                      # read DIR/*.json instead
 
 Reads flat.json (bench_flat.py), trainer.json (bench_trainer.py), sharded.json
@@ -24,15 +25,18 @@ and ``<!-- benchmark-table:end -->`` of each file with the table; ``--check`` ex
 Either exits 2, naming the file, if a file lacks the markers.
 
 ``--stale`` (a step of .ci/run, after the tests) holds each result against the code it
-measured, by content (``report/freshness.py``): every result records the SHA-256 of each
-file it measures (``measured``), and a result is stale where one of those files changed,
-appeared or disappeared since. It names each stale result and the changed paths. No git
-needed. Stdlib only.
+measured, by content (``report/freshness.py``): every result records a hash of each file
+it measures (``measured``; of a Python file, its code without docstrings and comments), and
+a result is stale where one of those files changed, appeared or disappeared since. It names
+each stale result and the changed paths. No git needed. ``--rehash`` rewrites the results
+that recorded the bytes of each file (written before code hashes) and are fresh by them,
+with code hashes; it leaves the others as they are. Stdlib only.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,7 +44,7 @@ from pathlib import Path
 if str(Path(__file__).resolve().parent) not in sys.path:  # report/ and rows/ sit beside us
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report.freshness import MEASURES, stale
+from report.freshness import MEASURES, rehash, stale
 from report.results import COMMAND, FILES, REPO, RESULTS, RUN, SLOW, Results, load_results
 from report.table import NOT_MEASURED, Row, measured
 from report.table import table as render
@@ -62,6 +66,7 @@ __all__ = [
     "load_results",
     "main",
     "measured",
+    "rehash",
     "stale",
     "table",
 ]
@@ -111,9 +116,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--write", nargs="+", type=Path, metavar="FILE")
     mode.add_argument("--check", nargs="+", type=Path, metavar="FILE")
     mode.add_argument("--stale", action="store_true", help="exit 1 if a result is out of date")
+    mode.add_argument(
+        "--rehash", action="store_true", help="byte hashes of results fresh by them -> code hashes"
+    )
     p.add_argument("--results", type=Path, default=RESULTS, help="default: %(default)s")
     args = p.parse_args(argv)
     results = load_results(args.results)
+    if args.rehash:
+        for name, result in results.items():
+            if name in MEASURES and rehash(result, name):
+                path = args.results / f"{name}.json"
+                path.write_text(json.dumps(result, indent=2) + "\n")  # as _common.write_json
+                print(f"rehashed {path}", file=sys.stderr)
+        return 0
     if args.stale:
         problems = stale(results)
         for line in problems:

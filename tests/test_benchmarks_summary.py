@@ -585,6 +585,87 @@ def test_no_git_is_needed(tree: Path, tmp_path: Path, monkeypatch: pytest.Monkey
     assert stale_names(freshness.stale(results, tree)) == every - not_gpt
 
 
+CODE_V1 = '''"""The module."""
+
+
+def step(x, lr=0.1):
+    """One step."""
+    return x - lr * "abc".count("a")  # a comment
+'''
+
+
+def test_docstrings_comments_and_layout_leave_results_fresh_and_code_does_not(
+    tree: Path,
+) -> None:
+    path = "torchshard/checkpoint/x.py"
+    write(tree, path, CODE_V1)
+    results = measured_in(tree)
+    assert results["checkpoint"]["measured"][path].startswith(freshness.CODE)
+    prose = CODE_V1.replace("The module.", "The module, said better.").replace(
+        "# a comment", "# another comment\n\n"
+    )
+    write(tree, path, prose.replace("x, lr=0.1", "x,  lr = 0.1"))
+    assert freshness.stale(results, tree) == []
+    # a default value, a string literal, an operator
+    for old, code in [("lr=0.1", "lr=0.2"), ('"abc"', '"abd"'), ("x - lr", "x + lr")]:
+        write(tree, path, CODE_V1.replace(old, code))
+        assert stale_names(freshness.stale(results, tree)) == {"checkpoint", "scale"}, code
+    write(tree, path, "def broken(:\n")  # does not parse: hashed by its bytes
+    results = measured_in(tree)
+    assert not results["checkpoint"]["measured"][path].startswith(freshness.CODE)
+    write(tree, path, "def broken(:  # still\n")
+    assert stale_names(freshness.stale(results, tree)) == {"checkpoint", "scale"}
+
+
+def test_a_result_with_byte_hashes_is_checked_by_bytes_until_rehashed(tree: Path) -> None:
+    """Results written before code hashes recorded the SHA-256 of each file's bytes: they stay
+    checkable as they are, and ``--rehash`` turns those fresh by them into code hashes."""
+    path = "benchmarks/bench_flat.py"
+    write(tree, path, CODE_V1)
+    old = {f: freshness.sha256(tree / f) for f in freshness.files(freshness.MEASURES["flat"], tree)}
+    assert freshness.stale({**measured_in(tree), "flat": {"measured": old}}, tree) == []
+    write(tree, path, CODE_V1.replace("# a comment", "# edited"))  # bytes changed, code did not
+    results = {**measured_in(tree), "flat": {"measured": dict(old)}}
+    assert stale_names(freshness.stale(results, tree)) == {"flat"}
+    assert not freshness.rehash(results["flat"], "flat", tree)  # not fresh by its bytes: kept
+    assert results["flat"]["measured"] == old
+    write(tree, path, CODE_V1)  # the bytes it measured
+    assert freshness.rehash(results["flat"], "flat", tree)
+    assert results["flat"]["measured"] == freshness.hashes("flat", tree)
+    write(tree, path, CODE_V1.replace("# a comment", "# edited"))
+    assert freshness.stale(results, tree) == []  # now by code
+    assert not freshness.rehash(results["flat"], "flat", tree)  # already code hashes
+
+
+def test_rehash_cli_rewrites_only_the_measured_hashes(tmp_path: Path) -> None:
+    """On this tree: byte hashes of every result, rewritten by ``--rehash`` into exactly what a
+    fresh measurement would record, the rest of each file byte for byte as written."""
+    for name in (*summary.FILES, *summary.SLOW):
+        hashed = {f: freshness.sha256(REPO / f) for f in freshness.files(summary.MEASURES[name])}
+        data = {"machine": {"python": "3.11.7"}, "measured": hashed, "value": 0.1}
+        (tmp_path / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+    cmd = [sys.executable, str(SCRIPT), "--rehash", "--results", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    for name in (*summary.FILES, *summary.SLOW):
+        assert f"rehashed {tmp_path / name}.json" in proc.stderr, proc.stderr
+        text = (tmp_path / f"{name}.json").read_text()
+        want = {"machine": {"python": "3.11.7"}, "measured": freshness.hashes(name), "value": 0.1}
+        assert text == json.dumps(want, indent=2) + "\n"
+    stale = [sys.executable, str(SCRIPT), "--stale", "--results", str(tmp_path)]
+    assert subprocess.run(stale, capture_output=True, text=True).returncode == 0
+
+
+def test_a_code_hash_from_another_python_says_so(tree: Path) -> None:
+    results = measured_in(tree)
+    results["flat"]["machine"] = {"python": "2.7.18"}
+    write(tree, "benchmarks/bench_flat.py", "v2\n")
+    (problem,) = [p for p in freshness.stale(results, tree) if p.startswith("flat.json")]
+    assert "the result was measured on 2.7" in problem, problem
+    results["flat"]["machine"] = {"python": ".".join(map(str, sys.version_info[:3]))}
+    (problem,) = [p for p in freshness.stale(results, tree) if p.startswith("flat.json")]
+    assert "measured on" not in problem, problem
+
+
 def test_stale_cli_exits_1_naming_each_result_and_0_when_fresh(tmp_path: Path) -> None:
     for name in (*summary.FILES, *summary.SLOW, summary.RUN):
         (tmp_path / f"{name}.json").write_text(json.dumps({"machine": {"git_commit": None}}))

@@ -1,11 +1,19 @@
 """Is each benchmark result as new as the code it measured? By content, not by history.
 
-Each results file records ``measured: {path: sha256}``: the files its benchmark depends on
+Each results file records ``measured: {path: hash}``: the files its benchmark depends on
 (:data:`MEASURES`), hashed when it started. :func:`stale` hashes the same paths in the
 working tree and names every result where one changed, appeared or disappeared. Like DVC's
 ``dvc.lock`` or Bazel's action keys: no git needed, so it works in a tarball and in a
 shallow clone, and a result measured with uncommitted changes is stale unless exactly those
 changes were committed. Stdlib only.
+
+A Python file is hashed by its code, not its bytes (:func:`digest`): ``ast.unparse`` of it
+without its docstrings, so a comment, a docstring or a reformatting leaves the results
+fresh, and any change to what runs makes them stale. The code hash comes from the
+checking Python's ``ast``; where that is another version than the one the result was
+measured with, a mismatch says so. A recorded bare SHA-256 (results written before code
+hashes) is checked against the file's bytes; ``summary.py --rehash`` turns the byte hashes
+of a result that is fresh by them into code hashes.
 
 A path of :data:`MEASURES` is a file, a directory (its ``*.py`` files, at any depth) or a
 glob; one that starts with ``!`` removes what it matches. Directories and globs survive a
@@ -14,8 +22,10 @@ module becoming a package (``torchshard/_parallel/full.py`` -> ``full/``).
 
 from __future__ import annotations
 
+import ast
 import glob
 import hashlib
+import platform
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -80,11 +90,11 @@ MEASURES: dict[str, tuple[str, ...]] = {
         *_BUCKET_MODES,
         "benchmarks/_common.py",
     ),
-    # SLOW (about 12 minutes): the example's whole runs, without checkpoints (--ckpt-dir '').
+    # SLOW (45 to 70 minutes): the example's whole runs, without checkpoints (--ckpt-dir '').
     # What it certifies is each comm's effect on the loss, so it holds the comms' own path
     # (the choices, the bucket comms, the reducer that drives them, the buckets they cut)
     # and the example, not the rest of the trainer: that is held bitwise to DDP by the
-    # tests, and a rerun for every change to it would cost each change 12 minutes.
+    # tests, and a rerun for every change to it would cost each change an hour.
     "convergence": (
         "benchmarks/bench_convergence.py",
         *_COMM,
@@ -134,13 +144,68 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+CODE = "code:"  # the prefix of a code hash (:func:`digest`); a bare hex digest is of bytes
+
+
+def code(source: str) -> str | None:
+    r"""What runs of a Python source, as text: ``ast.unparse`` of it with every docstring (of
+    the module, a class or a function) taken out. Comments and layout do not reach the AST.
+    None where the source does not parse.
+
+    >>> code("'Doc.'\nx  =  1  # one\n\n\ndef f():\n    'Doc.'\n") == code("x = 1\ndef f(): pass")
+    True
+    >>> code("x = 1") == code("x = 2")
+    False
+    """
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.unparse(tree)
+
+
+def digest(path: Path) -> str:
+    """What ``measured`` records of a file: ``code:`` and the SHA-256 of :func:`code` for a
+    ``.py`` file that parses, otherwise the SHA-256 of its bytes.
+
+    >>> digest(Path(__file__)).startswith(CODE)
+    True
+    """
+    if path.suffix == ".py":
+        text = code(path.read_text(encoding="utf-8", errors="surrogateescape"))
+        if text is not None:
+            return CODE + hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+    return sha256(path)
+
+
 def hashes(name: str, repo: Path = REPO) -> dict[str, str]:
-    """``{path: sha256}`` of what the benchmark ``name`` measures: its results' ``measured``.
+    """``{path: digest}`` of what the benchmark ``name`` measures: its results' ``measured``.
 
     >>> sorted(hashes("flat"))[0]
     'benchmarks/_common.py'
     """
-    return {f: sha256(repo / f) for f in files(MEASURES[name], repo)}
+    return {f: digest(repo / f) for f in files(MEASURES[name], repo)}
+
+
+def current(recorded: Mapping[str, str], name: str, repo: Path = REPO) -> dict[str, str]:
+    """The hashes of what ``name`` measures now, each in the form ``recorded`` holds for its
+    path: by bytes where a result from before code hashes recorded a bare SHA-256."""
+    out = {}
+    for f in files(MEASURES[name], repo):
+        old = recorded.get(f)
+        bare = isinstance(old, str) and not old.startswith(CODE)
+        out[f] = sha256(repo / f) if bare else digest(repo / f)
+    return out
 
 
 def changes(recorded: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
@@ -153,6 +218,32 @@ def changes(recorded: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
     out += [f"{p} (new)" for p in now if p not in recorded]
     out += [f"{p} (gone)" for p in recorded if p not in now]
     return sorted(out)
+
+
+def _python(result: Mapping) -> str | None:
+    """The ``major.minor`` of the Python a result was measured with, where it says."""
+    machine = result.get("machine")
+    version = machine.get("python") if isinstance(machine, Mapping) else None
+    return ".".join(str(version).split(".")[:2]) if version else None
+
+
+def rehash(result: dict, name: str, repo: Path = REPO) -> bool:
+    """Turn the byte hashes of ``result`` (benchmark ``name``) into code hashes, in place,
+    where every recorded hash is a bare SHA-256 that the file's bytes still match and the
+    files are the same: the code is then exactly what was measured. True if it did.
+
+    >>> rehash({"measured": {"x.py": "0" * 64}}, "flat")  # not what the tree holds
+    False
+    """
+    recorded = result.get("measured")
+    if not isinstance(recorded, dict) or not recorded:
+        return False
+    if any(not isinstance(v, str) or v.startswith(CODE) for v in recorded.values()):
+        return False
+    if changes(recorded, current(recorded, name, repo)):
+        return False
+    result["measured"] = hashes(name, repo)
+    return True
 
 
 def stale(results: Results, repo: Path = REPO) -> list[str]:
@@ -177,10 +268,14 @@ def stale(results: Results, repo: Path = REPO) -> list[str]:
                 f"run {command}"
             )
             continue
-        changed = changes(recorded, hashes(name, repo))
+        changed = changes(recorded, current(recorded, name, repo))
         if changed:
+            where = ""
+            here, there = ".".join(platform.python_version_tuple()[:2]), _python(results[name])
+            if there and there != here:
+                where = f" (hashed by Python {here}'s ast; the result was measured on {there})"
             problems.append(
-                f"{name}.json: the code it measures changed since: {', '.join(changed)}; "
-                f"run {command}"
+                f"{name}.json: the code it measures changed since: {', '.join(changed)}"
+                f"{where}; run {command}"
             )
     return problems
