@@ -7,11 +7,11 @@ of the loss curves.
                                            [--plot benchmarks/comm-loss.png]
     python benchmarks/bench_convergence.py --plot-only     # redraw from the JSON
 
-Slow: every run is the example's whole run (300 steps), about a minute on the project's 2
-cores (the result records each run's wall time), and there are 39 (9 comms and 4 in the
-control, x 3 seeds): 40 to 50 minutes, not part of ``run_all.py``. Its results are committed
-like the others, and ``summary.py --stale`` holds them against the code they ran; the cure is
-this command.
+Slow: every run is the example's whole run (300 steps), one to two minutes on the project's
+2 cores (the result records each run's wall time and the total), and there are 39 (9 comms
+and 4 in the control, x 3 seeds): 45 to 70 minutes, not part of ``run_all.py``. Its results
+are committed like the others, and ``summary.py --stale`` holds them against the code they
+ran; the cure is this command.
 
 Each run is the README's command with a seed and a comm, nothing else changed:
 ``torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --seed S [--comm C]

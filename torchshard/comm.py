@@ -57,6 +57,12 @@ rank, at any world size and on the same global batches, continues as it would ha
 For TopK the mean error is an approximation (each rank's pick depends on its own error);
 ``reset_comm_error()`` is the other choice. The other comms keep no state: ``{}``.
 
+Loss scaling: with fp16 and a ``torch.amp.GradScaler``, unscale through the trainer
+(``trainer.unscale_(scaler)``, or ``trainer.step(scaler)``), not ``scaler.unscale_``: after an
+overflow the error is zeroed and PowerSGD's ``Q`` drawn again (the same on every rank), and
+when the scale changes the error follows it, so ``comm_state()`` holds it at the scale the
+scaler holds now (``docs/compression.md``, "Loss scaling").
+
 ``torchshard.checkpoint.save`` writes this state (the mean error, ``Q``, ``steps``) and ``load``
 restores it at any world size (``comm_error="reset"`` starts the error at zero); a load into
 another comm says what it drops: ``docs/compression.md``, "Checkpoints".
