@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -105,6 +107,21 @@ def split(text: str, path: Path) -> tuple[str, str, str]:
     return text[: head_end + 1], text[head_end + 1 : end], text[end:]
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one rename: a reader (or an interrupted run) sees the
+    old file or the new one, never a part. Example: ``write_atomically(Path("README.md"), text)``.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # the same directory: one rename
+    try:
+        tmp.write_text(text)
+        if path.exists():
+            shutil.copymode(path, tmp)  # the file's own permissions, not a fresh file's
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line: print, ``--write``, ``--check`` or ``--stale``; the exit status.
 
@@ -126,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, result in results.items():
             if name in MEASURES and rehash(result, name):
                 path = args.results / f"{name}.json"
-                path.write_text(json.dumps(result, indent=2) + "\n")  # as _common.write_json
+                write_atomically(path, json.dumps(result, indent=2) + "\n")  # as write_json
                 print(f"rehashed {path}", file=sys.stderr)
         return 0
     if args.stale:
@@ -157,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1 if out_of_date else 0
     for path, (head, between, tail) in parts.items():
         if between != block:
-            path.write_text(head + block + tail)
+            write_atomically(path, head + block + tail)
             print(f"wrote {path}", file=sys.stderr)
     return 0
 

@@ -129,6 +129,26 @@ def test_write_then_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert summary.main(["--check", str(path)]) == 0
 
 
+def test_a_write_that_fails_leaves_the_old_file_and_no_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "flat.json"
+    path.write_text("older\n")
+    path.chmod(0o640)
+    summary.write_atomically(path, "old\n")
+    assert path.read_text() == "old\n"
+    assert path.stat().st_mode & 0o777 == 0o640  # the file's mode, kept
+
+    def refuse(src: str, dst: str) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(summary.os, "replace", refuse)
+    with pytest.raises(OSError, match="disk full"):
+        summary.write_atomically(path, "new\n")
+    assert path.read_text() == "old\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["flat.json"]
+
+
 def test_write_without_markers_exits_2_naming_the_file(tmp_path: Path) -> None:
     marked = tmp_path / "marked.md"
     marked.write_text(f"{summary.BEGIN}\n{summary.END}\n")
@@ -664,6 +684,12 @@ def test_a_code_hash_from_another_python_says_so(tree: Path) -> None:
     results["flat"]["machine"] = {"python": ".".join(map(str, sys.version_info[:3]))}
     (problem,) = [p for p in freshness.stale(results, tree) if p.startswith("flat.json")]
     assert "measured on" not in problem, problem
+    # Only byte hashes changed: no ast is involved, so the Python it ran on is no clue.
+    byte_hashes = {p: freshness.sha256(tree / p) for p in freshness.hashes("flat", tree)}
+    results["flat"] = {"machine": {"python": "2.7.18"}, "measured": byte_hashes}
+    write(tree, "benchmarks/bench_flat.py", "v3\n")
+    (problem,) = [p for p in freshness.stale(results, tree) if p.startswith("flat.json")]
+    assert "bench_flat.py (changed)" in problem and "measured on" not in problem, problem
 
 
 def test_stale_cli_exits_1_naming_each_result_and_0_when_fresh(tmp_path: Path) -> None:
