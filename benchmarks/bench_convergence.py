@@ -8,8 +8,8 @@ of the loss curves.
     python benchmarks/bench_convergence.py --plot-only     # redraw from the JSON
 
 Slow: every run is the example's whole run (300 steps), one to two minutes on the project's
-2 cores (the result records each run's wall time and the total), and there are 39 (9 comms
-and 4 in the control, x 3 seeds): 45 to 70 minutes, not part of ``run_all.py``. Its results
+2 cores (the result records each run's wall time and the total), and there are 42 (10 comms
+and 4 in the control, x 3 seeds): 50 to 75 minutes, not part of ``run_all.py``. Its results
 are committed like the others, and ``summary.py --stale`` holds them against the code they
 ran; the cure is this command.
 
@@ -19,8 +19,9 @@ Each run is the README's command with a seed and a comm, nothing else changed:
 steps the training loss as the example prints it, the mean over the ranks and the steps
 since the last line, to 4 decimals). The comms: ``dense`` (no ``--comm``: the default
 all-reduce), ``bf16``, ``powersgd:4`` (rank 4, dense for its first 10 steps), ``powersgd:8``
-(the same at rank 8: what a higher rank buys), ``powersgd:4:30`` (rank 4, dense for the
-first 30 steps, 10% of the run as torch advises: what a longer warm-up buys), ``topk:0.01``
+and ``powersgd:16`` (the same at ranks 8 and 16: what a higher rank buys), ``powersgd:4:30``
+(rank 4, dense for the first 30 steps, 10% of the run as torch advises: what a longer warm-up
+buys), ``topk:0.01``
 and ``topk-noef:0.01`` (the same without error feedback: the ablation), and both again dense
 for the first 30 steps (``topk:0.01:30``, ``topk-noef:0.01:30``: what a dense start does for
 error feedback). The runs of a seed go one after the other, in an order rotated every seed.
@@ -58,6 +59,7 @@ COMMS = {  # name: the example's --comm (None: the default, dense)
     "bf16": "bf16",
     "powersgd": "powersgd:4",
     "powersgd8": "powersgd:8",
+    "powersgd16": "powersgd:16",
     "powersgd30": "powersgd:4:30",
     "topk": "topk:0.01",
     "topk_noef": "topk-noef:0.01",
@@ -69,6 +71,7 @@ LABELS = {
     "bf16": "BF16",
     "powersgd": "PowerSGD(rank=4)",
     "powersgd8": "PowerSGD(rank=8)",
+    "powersgd16": "PowerSGD(rank=16)",
     "powersgd30": "PowerSGD(rank=4, start_step=30)",
     "topk": "TopK(0.01)",
     "topk_noef": "TopK(0.01), no error feedback",
@@ -170,8 +173,8 @@ def plot(results: dict, path: Path) -> Path | None:
         return None
     runs = results["runs"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6), gridspec_kw={"width_ratios": [3, 3, 2]})
-    colors = dict(zip(COMMS, ("black", "tab:blue", "tab:green", "tab:olive", "tab:cyan",
-                              "tab:orange", "tab:red", "tab:purple", "tab:pink")))  # fmt: skip
+    colors = dict(zip(COMMS, ("black", "tab:blue", "tab:green", "tab:olive", "tab:brown",
+                              "tab:cyan", "tab:orange", "tab:red", "tab:purple", "tab:pink")))  # fmt: skip
     for name, by_seed in runs.items():
         curves = [r["curve"] for r in by_seed.values() if "curve" in r]
         if not curves:

@@ -12,7 +12,7 @@ runs there; it says when a run goes over), writes ``run.json`` (this command, ea
 wall time, the machine and commit), then ``python benchmarks/summary.py --write README.md
 benchmarks/README.md`` and checks the results against the code (``summary.py --stale``:
 each script records a hash of the code of every file it measures). Prints its wall time.
-bench_convergence.py (39 runs of the example, three to five times the budget) is not run here:
+bench_convergence.py (42 runs of the example, three to five times the budget) is not run here:
 ``--stale`` names its result when the code it ran changed, with its own command.
 
 The tables name the commit the results come from, so by default this refuses to run with

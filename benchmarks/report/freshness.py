@@ -90,7 +90,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
         *_BUCKET_MODES,
         "benchmarks/_common.py",
     ),
-    # SLOW (45 to 70 minutes): the example's whole runs, without checkpoints (--ckpt-dir '').
+    # SLOW (50 to 75 minutes): the example's whole runs, without checkpoints (--ckpt-dir '').
     # What it certifies is each comm's effect on the loss, so it holds the comms' own path
     # (the choices, the bucket comms, the reducer that drives them, the buckets they cut)
     # and the example, not the rest of the trainer: that is held bitwise to DDP by the

@@ -209,6 +209,7 @@ def _convergence_cell(r: Results) -> Cell:
 
 UNTARGETED = (  # no targets: what a higher rank, and a longer dense start, buy
     ("powersgd8", "PowerSGD(rank=8)"),
+    ("powersgd16", "PowerSGD(rank=16)"),
     ("powersgd30", "PowerSGD(rank=4, start_step=30)"),
     ("topk30", "TopK(0.01, start_step=30)"),
     ("topk_noef30", "without error feedback"),
@@ -301,7 +302,7 @@ ROWS = (
         ("convergence",),
     ),
     Row(
-        "the same runs for PowerSGD at a higher rank and with a longer dense start (torch's "
+        "the same runs for PowerSGD at higher ranks (8, 16) and with a longer dense start (torch's "
         "advice: 10% of the run), and for TopK with and without error feedback, dense for the "
         "first 30 steps (10%), without targets",
         "measured, paired by seed",
