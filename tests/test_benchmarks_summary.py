@@ -407,7 +407,7 @@ def test_the_convergence_row_judges_every_seed_against_its_dense_twin() -> None:
     }
     cell, verdict_cell = summary.measured(what, convergence_results(losses))
     # no rank-8 or longer-start runs: their row says so, and what to run
-    untargeted = row("the same runs for PowerSGD at a higher rank")
+    untargeted = row("the same runs for PowerSGD at higher ranks")
     assert summary.measured(untargeted, convergence_results(losses))[0] == (
         "no runs without targets in `convergence.json`; rerun bench_convergence.py"
     )
@@ -432,16 +432,18 @@ def test_the_convergence_control_row_reports_sgd_beside_adamw_without_a_verdict(
     what, control = row("final validation loss of the example"), row("the control: the same")
     dense = [2.0, 2.1, 2.2]
     losses = {"dense": dense, "bf16": dense, "powersgd": [d * 1.06 for d in dense],
-              "powersgd8": [d * 1.02 for d in dense], "topk": dense, "topk_noef": dense}  # fmt: skip
+              "powersgd8": [d * 1.02 for d in dense], "powersgd16": [d * 1.01 for d in dense],
+              "topk": dense, "topk_noef": dense}  # fmt: skip
     r = convergence_results(losses)
     assert "PowerSGD +6.00% (+6.00 to +6.00); TopK" in summary.measured(what, r)[0]
     # the comms without targets have a row of their own, without a verdict
-    untargeted = row("the same runs for PowerSGD at a higher rank")
+    untargeted = row("the same runs for PowerSGD at higher ranks")
     assert summary.measured(untargeted, r) == (
-        "vs dense, the mean over seeds (range): PowerSGD(rank=8) +2.00% (+2.00 to +2.00)",
+        "vs dense, the mean over seeds (range): PowerSGD(rank=8) +2.00% (+2.00 to +2.00); "
+        "PowerSGD(rank=16) +1.00% (+1.00 to +1.00)",
         "-",
     )
-    assert summary.measured(what, r)[0].endswith("3 seeds x 6 comms, 15 min in all")
+    assert summary.measured(what, r)[0].endswith("3 seeds x 7 comms, 15 min in all")
     # TopK dense for 30 steps, with and without error feedback: the seeds where it helps
     with_start = {**losses, "topk30": [2.1, 2.1, 2.2], "topk_noef30": [2.2, 2.2, 2.2]}
     assert summary.measured(untargeted, convergence_results(with_start))[0].endswith(
@@ -458,7 +460,7 @@ def test_the_convergence_control_row_reports_sgd_beside_adamw_without_a_verdict(
     cell, verdict_cell = summary.measured(control, r)
     # the time in the main row covers the control's runs too: it says so
     assert summary.measured(what, r)[0].endswith(
-        "3 seeds x 6 comms (and x 4 for the control below), 15 min in all"
+        "3 seeds x 7 comms (and x 4 for the control below), 15 min in all"
     )
     assert verdict_cell == "-"
     assert cell == (
