@@ -21,10 +21,10 @@ since the last line, to 4 decimals). The comms: ``dense`` (no ``--comm``: the de
 all-reduce), ``bf16``, ``powersgd:4`` (rank 4, dense for its first 10 steps), ``powersgd:8``
 and ``powersgd:16`` (the same at ranks 8 and 16: what a higher rank buys), ``powersgd:4:30``
 (rank 4, dense for the first 30 steps, 10% of the run as torch advises: what a longer warm-up
-buys), ``topk:0.01``
-and ``topk-noef:0.01`` (the same without error feedback: the ablation), and both again dense
-for the first 30 steps (``topk:0.01:30``, ``topk-noef:0.01:30``: what a dense start does for
-error feedback). The runs of a seed go one after the other, in an order rotated every seed.
+buys), ``topk:0.01`` and ``topk-noef:0.01`` (the same without error feedback: the ablation),
+and both again dense for the first 30 steps (``topk:0.01:30``, ``topk-noef:0.01:30``: what a
+dense start does for error feedback). The runs of a seed go one after the other, in an order
+rotated every seed.
 
 The control: ``dense``, ``powersgd:4``, ``topk:0.01`` and ``topk-noef:0.01`` again with
 ``--optimizer sgd`` (momentum 0.9 at the example's lr for it, 0.1), the optimizer error
