@@ -194,12 +194,13 @@ def hashes(name: str, repo: Path = REPO) -> dict[str, str]:
     >>> sorted(hashes("flat"))[0]
     'benchmarks/_common.py'
     """
-    return {f: digest(repo / f) for f in files(MEASURES[name], repo)}
+    return current({}, name, repo)
 
 
 def current(recorded: Mapping[str, str], name: str, repo: Path = REPO) -> dict[str, str]:
     """The hashes of what ``name`` measures now, each in the form ``recorded`` holds for its
-    path: by bytes where a result from before code hashes recorded a bare SHA-256."""
+    path: by bytes where a result from before code hashes recorded a bare SHA-256, by
+    :func:`digest` otherwise (``recorded`` empty: :func:`hashes`)."""
     out = {}
     for f in files(MEASURES[name], repo):
         old = recorded.get(f)
