@@ -1,6 +1,7 @@
 """The suite's own guards: a misspelt marker is an error, a venv without pytest-timeout
-stops at start (without it every timeout is inert and a hung collective hangs the run), and
-the project's bytecode is written before the tests start processes."""
+stops at start (without it every timeout is inert and a hung collective hangs the run), the
+project's bytecode is written before the tests start processes, and the test extra installs
+every module a test would skip without."""
 
 from __future__ import annotations
 
@@ -71,3 +72,52 @@ def test_the_projects_bytecode_is_written_before_the_tests_run() -> None:
         if not current:
             stale.append(str(source.relative_to(ROOT)))
     assert not stale, f"no current bytecode for {stale}"
+
+
+def _extra_closure(extra: str) -> set[str]:
+    """The distributions that ``pip install -e '.[extra]'`` asks for by name, through the
+    project's own extras (``torchshard-lite[hf,peft]`` inside ``test``), normalized; read
+    from the installed metadata (Python 3.10 has no tomllib)."""
+    import importlib.metadata
+    import re
+
+    name = "torchshard-lite"
+    requires = importlib.metadata.requires(name) or []
+    wanted, seen, todo = set(), set(), [extra]
+    while todo:
+        if (current := todo.pop()) in seen:
+            continue
+        seen.add(current)
+        for req in requires:
+            if f'extra == "{current}"' not in req:
+                continue
+            dist = re.match(r"[A-Za-z0-9._-]+", req).group(0).lower().replace("_", "-")
+            if dist == name:
+                todo += re.search(r"\[(.*?)\]", req).group(1).split(",")
+            else:
+                wanted.add(dist)
+    return wanted
+
+
+def test_the_test_extra_installs_every_module_a_test_would_skip_without() -> None:
+    """A test whose optional module is missing skips (``pytest.importorskip``), so an
+    install without it passes with tests quietly not run: matplotlib, not in the test extra
+    until now, skipped the plot test on every machine that lacked it. Each module the suite
+    importorskips must come with the README's test install, and be there."""
+    import importlib.metadata
+    import importlib.util
+    import re
+
+    skipped_without = set()
+    for path in (ROOT / "tests").glob("*.py"):
+        skipped_without |= set(re.findall(r"importorskip\(\"(\w+)\"\)", path.read_text()))
+    assert {"transformers", "matplotlib"} <= skipped_without  # the scan finds them
+    extra = _extra_closure("test")
+    owners = importlib.metadata.packages_distributions()
+    for module in sorted(skipped_without):
+        dists = {d.lower().replace("_", "-") for d in owners.get(module, [module])}
+        assert dists & extra, f"tests importorskip {module!r}: add it to the test extra"
+        assert importlib.util.find_spec(module) is not None, (
+            f"{module!r}: expected with the test extra, got none installed; "
+            "pip install -e '.[test]'"
+        )
