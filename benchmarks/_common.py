@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from report.files import write_atomically
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parent.parent
@@ -379,10 +380,9 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: s
 
 
 def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
-    """Write ``data`` as indented JSON, atomically (via ``path.tmp``); creates the folder."""
+    """Write ``data`` as indented JSON, atomically (``report.files.write_atomically``);
+    creates the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
     return path

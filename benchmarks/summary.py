@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,6 +44,7 @@ from pathlib import Path
 if str(Path(__file__).resolve().parent) not in sys.path:  # report/ and rows/ sit beside us
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from report.files import write_atomically
 from report.freshness import MEASURES, rehash, stale
 from report.results import COMMAND, FILES, REPO, RESULTS, RUN, SLOW, Results, load_results
 from report.table import NOT_MEASURED, Row, measured
@@ -105,21 +104,6 @@ def split(text: str, path: Path) -> tuple[str, str, str]:
         raise MarkerError(f"{path}: '{BEGIN}' and '{END}' must be on lines of their own")
     end = text.rfind("\n", 0, end) + 1
     return text[: head_end + 1], text[head_end + 1 : end], text[end:]
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` in one rename: a reader (or an interrupted run) sees the
-    old file or the new one, never a part. Example: ``write_atomically(Path("README.md"), text)``.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # the same directory: one rename
-    try:
-        tmp.write_text(text)
-        if path.exists():
-            shutil.copymode(path, tmp)  # the file's own permissions, not a fresh file's
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,7 +30,7 @@ def load_summary() -> ModuleType:
 summary = load_summary()  # puts benchmarks/ on sys.path: report/ and rows/ import from there
 import bench_convergence  # noqa: E402
 import bench_hsdp  # noqa: E402
-from report import freshness, stats  # noqa: E402
+from report import files, freshness, stats  # noqa: E402
 from report.table import machine_line  # noqa: E402
 
 RUN_ALL = "python benchmarks/run_all.py"
@@ -142,11 +142,23 @@ def test_a_write_that_fails_leaves_the_old_file_and_no_temporary(
     def refuse(src: str, dst: str) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(summary.os, "replace", refuse)
+    monkeypatch.setattr(files.os, "replace", refuse)
     with pytest.raises(OSError, match="disk full"):
         summary.write_atomically(path, "new\n")
     assert path.read_text() == "old\n"
     assert [p.name for p in tmp_path.iterdir()] == ["flat.json"]
+
+
+def test_a_result_is_written_by_the_same_atomic_writer(tmp_path: Path) -> None:
+    import _common  # benchmarks/, put on sys.path by load_summary()
+
+    path = tmp_path / "results" / "flat.json"  # the folder is made
+    _common.write_json(path, {"rows": [1]})
+    path.chmod(0o640)
+    _common.write_json(path, {"rows": [2]})
+    assert json.loads(path.read_text()) == {"rows": [2]}
+    assert path.stat().st_mode & 0o777 == 0o640  # kept, as by summary.py --write
+    assert [p.name for p in path.parent.iterdir()] == ["flat.json"]  # no temporary left
 
 
 def test_write_without_markers_exits_2_naming_the_file(tmp_path: Path) -> None:

@@ -31,7 +31,10 @@ from pathlib import Path
 
 from .results import COMMAND, FILES, REPO, SLOW, Results
 
-_COMMON = ("benchmarks/_common.py", "examples/gpt.py")
+# Every benchmark's helpers (_common writes its JSON through report/files.py) ...
+_HELPERS = ("benchmarks/_common.py", "benchmarks/report/files.py")
+# ... and, for those that train it, the example model.
+_COMMON = (*_HELPERS, "examples/gpt.py")
 # What a trainer runs outside the parallel wing: the flat module, process group, exit, guards.
 _TRAINER = (
     "torchshard/_flat",
@@ -76,19 +79,19 @@ MEASURES: dict[str, tuple[str, ...]] = {
         "torchshard/checkpoint",
     ),
     # a PEFT Llama (transformers, peft: not hashed, as torch is not) in every mode
-    "lora": ("benchmarks/bench_lora.py", *_ALL_MODES, "benchmarks/_common.py", _STEPS),
+    "lora": ("benchmarks/bench_lora.py", *_ALL_MODES, *_HELPERS, _STEPS),
     # a transformers Llama in bf16 with fp32 norms (not hashed, as torch is not), every mode
-    "mixed": ("benchmarks/bench_mixed.py", *_ALL_MODES, "benchmarks/_common.py", _STEPS),
+    "mixed": ("benchmarks/bench_mixed.py", *_ALL_MODES, *_HELPERS, _STEPS),
     # tensor parallelism against DTensor TP and FSDP2 + TP on torch's test Transformer (torch's
     # own model: not hashed, as torch is not), every mode over a (dp, tp) mesh
-    "tp": ("benchmarks/bench_tp.py", *_ALL_MODES, "benchmarks/_common.py"),
+    "tp": ("benchmarks/bench_tp.py", *_ALL_MODES, *_HELPERS),
     # pipelines (torchshard/_pipeline) of replicated and shard=True stages, against torch's own
     # pipelining and FSDP2 per stage, on a model of the script's own
     "pipeline": (
         "benchmarks/bench_pipeline.py",
         "torchshard/_pipeline",
         *_BUCKET_MODES,
-        "benchmarks/_common.py",
+        *_HELPERS,
     ),
     # SLOW (50 to 75 minutes): the example's whole runs, without checkpoints (--ckpt-dir '').
     # What it certifies is each comm's effect on the loss, so it holds the comms' own path

@@ -88,7 +88,7 @@ class ErrorFeedback:
         """A skipped step's gradient held an inf or NaN, and the error took it in: zero it
         (what earlier steps held back is lost with the step). Subclasses reset their own
         state too."""
-        self.error.zero_()
+        self.reset_error()
 
     def _follow_scale(self) -> None:
         """Bring the error to the loss scale its scaler holds now (see :meth:`unscaled`)."""
