@@ -5,7 +5,10 @@ every module a test would skip without."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,8 +54,6 @@ def test_the_projects_bytecode_is_written_before_the_tests_run() -> None:
     interpreters the launch tests start would compile them again where
     PYTHONDONTWRITEBYTECODE is set); each cached file is current as python checks it (the
     source's mtime and size, or its hash)."""
-    import importlib.util
-
     if not os.access(ROOT / "torchshard", os.W_OK):
         pytest.skip("a read-only tree: no bytecode can be written there")
     stale = []
@@ -78,9 +79,6 @@ def _extra_closure(extra: str) -> set[str]:
     """The distributions that ``pip install -e '.[extra]'`` asks for by name, through the
     project's own extras (``torchshard-lite[hf,peft]`` inside ``test``), normalized; read
     from the installed metadata (Python 3.10 has no tomllib)."""
-    import importlib.metadata
-    import re
-
     name = "torchshard-lite"
     requires = importlib.metadata.requires(name) or []
     wanted, seen, todo = set(), set(), [extra]
@@ -104,10 +102,6 @@ def test_the_test_extra_installs_every_module_a_test_would_skip_without() -> Non
     install without it passes with tests quietly not run: matplotlib, not in the test extra
     until now, skipped the plot test on every machine that lacked it. Each module the suite
     importorskips must come with the README's test install, and be there."""
-    import importlib.metadata
-    import importlib.util
-    import re
-
     skipped_without = set()
     for path in (ROOT / "tests").glob("*.py"):
         skipped_without |= set(re.findall(r"importorskip\(\"(\w+)\"\)", path.read_text()))
